@@ -1,0 +1,82 @@
+"""`streamkl.kl`: check the arguments, describe the problem, dispatch, apply autograd."""
+
+from __future__ import annotations
+
+import torch
+
+from streamkl.autograd import pack_problem
+from streamkl.dispatch import choose_backend
+from streamkl.problem import REDUCTIONS, build_problem
+
+NEG_INF = float("-inf")
+
+
+def kl(
+    q1: torch.Tensor,
+    k1: torch.Tensor,
+    q2: torch.Tensor,
+    k2: torch.Tensor,
+    *,
+    scale1: float | None = None,
+    scale2: float | None = None,
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    max_seqlen_k: int | None = None,
+    mask1=None,
+    mask2=None,
+    reduction: str = "mean",
+    return_lse: bool = False,
+    deterministic: bool = False,
+    backend: str | None = None,
+):
+    """KL(P1 || P2) between the attention distributions P1 = softmax(scale1 * q1 k1^T) (the
+    teacher, the target) and P2 = softmax(scale2 * q2 k2^T) (the student), computed in one
+    streaming pass without materializing either distribution. See README.md for every argument.
+
+    Returns the reduced KL (float32), or `(kl, lse1, lse2)` when `return_lse`.
+    """
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"streamkl.kl: `reduction` must be one of {REDUCTIONS}; got {reduction!r}.")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"streamkl.kl: `return_lse` must be a bool; got {type(return_lse).__name__}.")
+    problem = build_problem(
+        q1,
+        k1,
+        q2,
+        k2,
+        scale1=scale1,
+        scale2=scale2,
+        causal=causal,
+        window=window,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen=max_seqlen,
+        max_seqlen_k=max_seqlen_k,
+        mask1=mask1,
+        mask2=mask2,
+        deterministic=deterministic,
+        check_values=not torch.compiler.is_compiling(),
+    )
+    impl = choose_backend(problem, backend)
+    cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem)
+    kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(
+        q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats, impl.name
+    )
+    out = reduce_rows(kl_rows, lse1, reduction)
+    if return_lse:
+        return out, lse1.detach(), lse2.detach()
+    return out
+
+
+def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The SPEC's reductions; `mean` divides by the rows whose side-1 support is non-empty."""
+    if reduction == "none":
+        return kl_rows
+    total = kl_rows.sum()
+    if reduction == "sum":
+        return total
+    count = (lse1 != NEG_INF).sum().clamp(min=1)
+    return total / count.to(total.dtype)

@@ -1,0 +1,85 @@
+"""Backend choice: `backend=` argument > $STREAMKL_BACKEND (read at call time) > "auto".
+
+"auto" walks the priority list and takes the first backend with no reason to refuse; a named
+backend that cannot serve the inputs raises with its reasons, and when nothing fits the error
+lists every backend's reasons.
+"""
+
+from __future__ import annotations
+
+import os
+
+from streamkl.backends.base import Backend
+from streamkl.problem import Problem
+
+ENV_VAR = "STREAMKL_BACKEND"
+PRIORITY = ("triton", "cupy", "torch")
+_INSTANCES: dict[str, Backend] = {}
+
+
+def _load(name: str) -> Backend:
+    if name not in _INSTANCES:
+        if name == "torch":
+            from streamkl.backends.torch_chunked import TorchChunkedBackend as cls
+        elif name == "triton":
+            from streamkl.backends.triton import TritonBackend as cls
+        elif name == "cupy":
+            from streamkl.backends.cupy import CupyBackend as cls
+        else:  # pragma: no cover - guarded by the callers
+            raise KeyError(name)
+        _INSTANCES[name] = cls()
+    return _INSTANCES[name]
+
+
+def get_backend(name: str) -> Backend:
+    return _load(name)
+
+
+def requested_backend(backend: str | None) -> str:
+    """The name asked for: the argument, else the environment variable, else "auto"."""
+    source = "backend"
+    if backend is None:
+        backend = os.environ.get(ENV_VAR) or "auto"
+        source = f"${ENV_VAR}"
+    if not isinstance(backend, str):
+        raise TypeError(f"streamkl.kl: `backend` must be a str or None; got {type(backend).__name__}.")
+    name = backend.strip().lower()
+    if name not in PRIORITY + ("auto",):
+        raise ValueError(
+            f"streamkl.kl: `{source}` must be one of {', '.join(repr(n) for n in PRIORITY + ('auto',))}; got {backend!r}."
+        )
+    return name
+
+
+def choose_backend(problem: Problem, backend: str | None) -> Backend:
+    name = requested_backend(backend)
+    if name != "auto":
+        chosen = _load(name)
+        reasons = chosen.not_supported_reasons(problem)
+        if reasons:
+            raise ValueError(
+                f"streamkl.kl: backend {name!r} cannot serve these inputs ({problem.describe()}): " + "; ".join(reasons)
+            )
+        return chosen
+    refusals = []
+    for candidate in PRIORITY:
+        impl = _load(candidate)
+        reasons = impl.not_supported_reasons(problem)
+        if not reasons:
+            return impl
+        refusals.append(f"{candidate}: " + "; ".join(reasons))
+    raise ValueError("streamkl.kl: no backend can serve these inputs: " + " | ".join(refusals))
+
+
+def backend_report() -> list[tuple[str, bool, list[str]]]:
+    """(name, usable here, reasons) for every backend, in priority order."""
+    rows = []
+    for name in PRIORITY:
+        reasons = _load(name).environment_reasons()
+        rows.append((name, not reasons, reasons))
+    return rows
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run on this machine, fastest first."""
+    return [name for name, usable, _ in backend_report() if usable]

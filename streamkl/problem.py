@@ -1,0 +1,321 @@
+"""The description of one KL problem: shapes, scales, masks, varlen metadata.
+
+All argument validation of `streamkl.kl` lives here, once. Checks read only metadata (shapes,
+dtypes, devices, strides); the few checks that read tensor values (`cu_seqlens` contents) live in
+`check_cu_seqlens_values` and are skipped when the caller vouches for them (under torch.compile).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REDUCTIONS = ("none", "sum", "mean")
+NAMES = ("q1", "k1", "q2", "k2")
+
+
+@dataclass(frozen=True)
+class SideMask:
+    """One side's block-sparse pattern, in the form kernels read: a dense block grid."""
+
+    pattern: torch.Tensor  # bool (Bm in {1, S}, Hm in {1, H}, ceil(Nq/bq), ceil(Nk/bk))
+    block_q: int
+    block_k: int
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a backend needs to know about the call, apart from the tensors themselves."""
+
+    batch: int  # B for dense inputs, the number of sequences S for varlen
+    seqlen_q: int  # Nq, or max_seqlen for varlen
+    seqlen_k: int  # Nk, or max_seqlen_k for varlen
+    heads: int  # query heads H
+    heads_k1: int
+    heads_k2: int
+    dim1: int
+    dim2: int
+    scale1: float
+    scale2: float
+    causal: bool
+    window: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
+    is_varlen: bool = False
+    total_q: int = 0  # T (varlen only)
+    total_k: int = 0  # Tk (varlen only)
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    mask1: SideMask | None = None
+    mask2: SideMask | None = None
+    needs_grad: tuple[bool, bool, bool, bool] = (False, False, False, False)
+    deterministic: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def has_structural_mask(self) -> bool:
+        return self.causal or self.window != (-1, -1)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of the per-row KL output."""
+        if self.is_varlen:
+            return (self.total_q, self.heads)
+        return (self.batch, self.seqlen_q, self.heads)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        if self.is_varlen:
+            return (self.heads, self.total_q)
+        return (self.batch, self.heads, self.seqlen_q)
+
+    def describe(self) -> str:
+        parts = [
+            f"B{self.batch}",
+            f"Nq{self.seqlen_q}",
+            f"Nk{self.seqlen_k}",
+            f"H{self.heads}",
+            f"Hk{self.heads_k1}/{self.heads_k2}",
+            f"D{self.dim1}x{self.dim2}",
+            str(self.dtype).replace("torch.", ""),
+        ]
+        if self.is_varlen:
+            parts.append("varlen")
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"window{self.window}")
+        if self.mask1 is not None or self.mask2 is not None:
+            parts.append("blockmask")
+        return "-".join(parts)
+
+
+def _fail(argument: str, expected: str, got: object, cls: type[Exception] = ValueError):
+    raise cls(f"streamkl.kl: `{argument}` must be {expected}; got {got}.")
+
+
+def _check_tensor(name: str, t: object, ndim: int, layout: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"a torch.Tensor of shape {layout}", type(t).__name__, TypeError)
+    if t.dtype not in dtypes:
+        _fail(name, "float16, bfloat16 or float32", t.dtype, TypeError)
+    if t.dim() != ndim:
+        hint = ""
+        if ndim == 3 and t.dim() == 4:
+            hint = " (varlen inputs are packed: drop the batch dimension, see streamkl.varlen.pack)"
+        elif ndim == 4 and t.dim() == 3:
+            hint = " (3-D inputs are packed sequences: pass cu_seqlens)"
+        _fail(name, f"{ndim}-D {layout}{hint}", f"shape {tuple(t.shape)}")
+    if t.shape[-1] > 0 and t.stride(-1) != 1:
+        _fail(name, "contiguous in its last (head) dimension", f"strides {t.stride()}")
+    if t.shape[-1] == 0:
+        _fail(name, "a tensor with head dimension >= 1", f"shape {tuple(t.shape)}")
+    return t
+
+
+def _check_scale(name: str, scale: object, dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        _fail(name, "a Python float or None", type(scale).__name__, TypeError)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        _fail(name, "finite", scale)
+    return scale
+
+
+def _check_window(window: object) -> tuple[int, int]:
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        _fail("window", "a pair of ints (left, right)", repr(window), TypeError)
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        _fail("window", "(left, right) with each >= 0, or -1 for unbounded", (left, right))
+    return left, right
+
+
+def _check_cu_seqlens_meta(name: str, cu: object, total: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor):
+        _fail(name, "an int32 torch.Tensor of shape (num_sequences + 1,)", type(cu).__name__, TypeError)
+    if cu.dtype != torch.int32:
+        _fail(name, "int32 (use .to(torch.int32))", cu.dtype, TypeError)
+    if cu.dim() != 1 or cu.numel() < 1:
+        _fail(name, "1-D of shape (num_sequences + 1,)", f"shape {tuple(cu.shape)}")
+    if cu.device != device:
+        _fail(name, f"on the inputs' device {device}", cu.device)
+    return cu
+
+
+def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int) -> None:
+    """Value checks on cu_seqlens: start at 0, non-decreasing, last entry <= total. One host sync."""
+    values = cu.detach().to("cpu", torch.int64)
+    if int(values[0]) != 0:
+        _fail(name, "a cumulative length table starting at 0", f"first entry {int(values[0])}")
+    if values.numel() > 1 and bool((values[1:] < values[:-1]).any()):
+        _fail(name, "non-decreasing (cumulative sequence lengths)", values.tolist()[:16])
+    if int(values[-1]) > total:
+        _fail(name, f"at most the packed length {total} in its last entry", f"{int(values[-1])}")
+
+
+def max_seqlen_of(cu: torch.Tensor) -> int:
+    """Longest sequence in a cu_seqlens table (one host sync)."""
+    if cu.numel() < 2:
+        return 0
+    return int((cu[1:] - cu[:-1]).max().item())
+
+
+def _check_max_seqlen(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, "a Python int or None", type(value).__name__, TypeError)
+    if value < 0:
+        _fail(name, ">= 0", value)
+    return int(value)
+
+
+def _side_mask(name: str, mask: object, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device):
+    if mask is None:
+        return None
+    from streamkl.sparse.block_mask import BlockMask
+
+    if not isinstance(mask, BlockMask):
+        _fail(name, "a streamkl.BlockMask or None", type(mask).__name__, TypeError)
+    bq, bk = mask.block_size
+    pattern = mask.to_dense()
+    mb, mh, nbq, nbk = pattern.shape
+    want = (math.ceil(seqlen_q / bq), math.ceil(seqlen_k / bk))
+    if mb not in (1, batch) or mh not in (1, heads) or (nbq, nbk) != want:
+        _fail(
+            name,
+            f"a BlockMask of shape (1 or {batch}, 1 or {heads}, {want[0]}, {want[1]}) for block size "
+            f"{(bq, bk)} and {seqlen_q} queries x {seqlen_k} keys",
+            f"shape {(mb, mh, nbq, nbk)}",
+        )
+    if pattern.device != device:
+        _fail(name, f"on the inputs' device {device} (use mask.to(device))", pattern.device)
+    return SideMask(pattern=pattern, block_q=bq, block_k=bk)
+
+
+def build_problem(
+    q1,
+    k1,
+    q2,
+    k2,
+    *,
+    scale1=None,
+    scale2=None,
+    causal=False,
+    window=(-1, -1),
+    cu_seqlens=None,
+    cu_seqlens_k=None,
+    max_seqlen=None,
+    max_seqlen_k=None,
+    mask1=None,
+    mask2=None,
+    deterministic=False,
+    check_values=True,
+    allow_float64=False,
+) -> Problem:
+    """Validate every argument of `streamkl.kl` and describe the call. Reads no tensor data
+    except `cu_seqlens` contents when `check_values` (and `max_seqlen*` when omitted)."""
+    is_varlen = cu_seqlens is not None or cu_seqlens_k is not None
+    ndim, layout = (3, "(T, H, D)") if is_varlen else (4, "(B, N, H, D)")
+    dtypes = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())  # float64: the reference only
+    tensors = [_check_tensor(n, t, ndim, layout, dtypes) for n, t in zip(NAMES, (q1, k1, q2, k2))]
+    q1, k1, q2, k2 = tensors
+    for n, t in zip(NAMES[1:], tensors[1:]):
+        if t.dtype != q1.dtype:
+            _fail(n, f"the same dtype as q1 ({q1.dtype})", t.dtype, TypeError)
+        if t.device != q1.device:
+            _fail(n, f"on the same device as q1 ({q1.device})", t.device)
+    if not isinstance(causal, bool):
+        _fail("causal", "a bool", type(causal).__name__, TypeError)
+    if not isinstance(deterministic, bool):
+        _fail("deterministic", "a bool", type(deterministic).__name__, TypeError)
+    window = _check_window(window)
+
+    lead = 1 if is_varlen else 2  # leading (batch, length) dims, then heads, dim
+    if q2.shape[:lead] != q1.shape[:lead]:
+        _fail("q2", f"the same {'length' if is_varlen else 'batch and length'} as q1 {tuple(q1.shape[:lead])}",
+              tuple(q2.shape[:lead]))
+    if q2.shape[-2] != q1.shape[-2]:
+        _fail("q2", f"the same number of heads as q1 ({q1.shape[-2]})", q2.shape[-2])
+    if k2.shape[:lead] != k1.shape[:lead]:
+        _fail("k2", f"the same {'length' if is_varlen else 'batch and length'} as k1 {tuple(k1.shape[:lead])}",
+              tuple(k2.shape[:lead]))
+    if not is_varlen and k1.shape[0] != q1.shape[0]:
+        _fail("k1", f"the same batch size as q1 ({q1.shape[0]})", k1.shape[0])
+    heads = q1.shape[-2]
+    for name, q, k in (("k1", q1, k1), ("k2", q2, k2)):
+        if k.shape[-1] != q.shape[-1]:
+            _fail(name, f"the head dim of q{name[1]} ({q.shape[-1]})", k.shape[-1])
+        hk = k.shape[-2]
+        if hk < 1 or heads % hk != 0:
+            _fail(name, f"a number of key heads dividing the {heads} query heads (GQA)", hk)
+    if heads < 1:
+        _fail("q1", "at least one head", heads)
+    dim1, dim2 = q1.shape[-1], q2.shape[-1]
+    scale1 = _check_scale("scale1", scale1, dim1)
+    scale2 = _check_scale("scale2", scale2, dim2)
+
+    device = q1.device
+    if is_varlen:
+        if cu_seqlens is None:
+            _fail("cu_seqlens", "given when cu_seqlens_k is", None)
+        total_q, total_k = q1.shape[0], k1.shape[0]
+        cu_q = _check_cu_seqlens_meta("cu_seqlens", cu_seqlens, total_q, device)
+        cu_k = cu_q if cu_seqlens_k is None else _check_cu_seqlens_meta("cu_seqlens_k", cu_seqlens_k, total_k, device)
+        if cu_k.numel() != cu_q.numel():
+            _fail("cu_seqlens_k", f"the same number of sequences as cu_seqlens ({cu_q.numel() - 1})",
+                  cu_k.numel() - 1)
+        if check_values:
+            check_cu_seqlens_values("cu_seqlens", cu_q, total_q)
+            if cu_k is not cu_q:
+                check_cu_seqlens_values("cu_seqlens_k", cu_k, total_k)
+        if max_seqlen is None:
+            max_seqlen = max_seqlen_of(cu_q)
+        if max_seqlen_k is None:
+            max_seqlen_k = max_seqlen if cu_seqlens_k is None else max_seqlen_of(cu_k)
+        seqlen_q = _check_max_seqlen("max_seqlen", max_seqlen)
+        seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        batch = cu_q.numel() - 1
+    else:
+        for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen", max_seqlen), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                _fail(name, "None for dense (4-D) inputs; pass cu_seqlens for packed sequences", type(value).__name__)
+        batch, seqlen_q, seqlen_k = q1.shape[0], q1.shape[1], k1.shape[1]
+        total_q = total_k = 0
+        cu_q = cu_k = None
+
+    side1 = _side_mask("mask1", mask1, batch, heads, seqlen_q, seqlen_k, device)
+    side2 = _side_mask("mask2", mask2, batch, heads, seqlen_q, seqlen_k, device)
+    return Problem(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        heads=heads,
+        heads_k1=k1.shape[-2],
+        heads_k2=k2.shape[-2],
+        dim1=dim1,
+        dim2=dim2,
+        scale1=scale1,
+        scale2=scale2,
+        causal=causal,
+        window=window,
+        dtype=q1.dtype,
+        device=device,
+        is_varlen=is_varlen,
+        total_q=total_q,
+        total_k=total_k,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        mask1=side1,
+        mask2=side2,
+        needs_grad=tuple(bool(t.requires_grad) for t in tensors),
+        deterministic=deterministic,
+    )

@@ -1,0 +1,1 @@
+"""Block-sparse masks and the tile schedule every backend walks."""

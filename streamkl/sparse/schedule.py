@@ -1,0 +1,182 @@
+"""The tile schedule: which (query tile, key tile) pairs a kernel visits, and which need element masks.
+
+Masks, causality, the window and `cu_seqlens` are turned here, once, into a compressed list of key
+tiles per (sequence, head, query tile), FlexAttention style. Every backend walks this list, so no
+kernel re-derives varlen or block-sparse logic. A tile is visited iff some key in it is allowed on
+side 1 or on side 2 (the union of both sides' supports); it is *partial* unless every element is
+allowed on both sides, and only partial tiles pay for element masks.
+
+Built with torch ops on the inputs' device: no host sync, so CUDA-graph capture stays possible
+when `max_seqlen*` are given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from streamkl.problem import Problem, SideMask
+
+
+@dataclass(frozen=True)
+class TileSchedule:
+    """Compressed key-tile lists, broadcast over size-1 sequence / head dims.
+
+    kv_count[s, h, t]      number of key tiles visited by query tile t of sequence s, head h
+    kv_index[s, h, t, i]   the i-th visited key tile, ascending; entries past kv_count are unused
+    kv_partial[s, h, t, i] 1 where that tile needs element masks (boundary, causal edge, block mask)
+    Dims: s in range(1 or num_sequences), h in range(1 or H).
+    """
+
+    block_q: int
+    block_k: int
+    kv_count: torch.Tensor  # int32 [S', H', nQ]
+    kv_index: torch.Tensor  # int32 [S', H', nQ, nK]
+    kv_partial: torch.Tensor  # int8  [S', H', nQ, nK]
+
+    @property
+    def num_q_tiles(self) -> int:
+        return self.kv_count.shape[-1]
+
+    @property
+    def num_k_tiles(self) -> int:
+        return self.kv_index.shape[-1]
+
+    def visited_tiles(self, batch: int, heads: int) -> int:
+        """Total (query tile, key tile) visits over all sequences and heads (one host sync)."""
+        s, h, _ = self.kv_count.shape
+        return int(self.kv_count.sum().item()) * (batch // s) * (heads // h)
+
+
+def _tile_bounds(lengths: torch.Tensor, block: int, num_tiles: int):
+    """First and last index of each tile clipped to each sequence's length: [S, n] each."""
+    start = torch.arange(num_tiles, device=lengths.device, dtype=torch.int64) * block
+    start = start.unsqueeze(0).expand(lengths.shape[0], -1)
+    last = torch.minimum(start + block, lengths.unsqueeze(1)) - 1
+    return start, last
+
+
+def _structural_tiles(problem: Problem, block_q: int, block_k: int, n_q: int, n_k: int):
+    """(any, full) booleans [S', nQ, nK]: does the tile hold an allowed key / only allowed keys,
+    from sequence bounds, causality and the window alone."""
+    device = problem.device
+    if problem.is_varlen:
+        len_q = (problem.cu_seqlens_q[1:] - problem.cu_seqlens_q[:-1]).to(torch.int64)
+        len_k = (problem.cu_seqlens_k[1:] - problem.cu_seqlens_k[:-1]).to(torch.int64)
+    else:
+        len_q = torch.full((1,), problem.seqlen_q, dtype=torch.int64, device=device)
+        len_k = torch.full((1,), problem.seqlen_k, dtype=torch.int64, device=device)
+    q0, q1 = _tile_bounds(len_q, block_q, n_q)  # [S, nQ]
+    k0, k1 = _tile_bounds(len_k, block_k, n_k)  # [S, nK]
+    q0, q1 = q0[:, :, None], q1[:, :, None]
+    k0, k1 = k0[:, None, :], k1[:, None, :]
+    offset = (len_k - len_q)[:, None, None]  # bottom-right alignment
+    exists = (q0 <= q1) & (k0 <= k1)
+    complete = (q1 - q0 + 1 == block_q) & (k1 - k0 + 1 == block_k)
+    left, right = problem.window
+    if problem.causal:
+        right = 0 if right < 0 else min(right, 0)
+    any_allowed, all_allowed = exists, exists & complete
+    if left >= 0:  # key j >= i + offset - left
+        any_allowed = any_allowed & (k1 >= q0 + offset - left)
+        all_allowed = all_allowed & (k0 >= q1 + offset - left)
+    if right >= 0:  # key j <= i + offset + right
+        any_allowed = any_allowed & (k0 <= q1 + offset + right)
+        all_allowed = all_allowed & (k1 <= q0 + offset + right)
+    return any_allowed, all_allowed
+
+
+def _pool(pattern: torch.Tensor, dim: int, mask_block: int, tile: int, n_tiles: int, reduce_all: bool):
+    """Reduce one dim of a block pattern from mask blocks to kernel tiles (any or all)."""
+    if tile < mask_block:  # each mask block spans several tiles
+        pattern = pattern.repeat_interleave(mask_block // tile, dim=dim)
+    group = max(tile // mask_block, 1)
+    pattern = pattern.movedim(dim, -1)
+    size, want = pattern.shape[-1], n_tiles * group
+    if want > size:  # blocks past the grid hold no key: neutral for any and all
+        pad = pattern.new_full((*pattern.shape[:-1], want - size), reduce_all)
+        pattern = torch.cat([pattern, pad], dim=-1)
+    pattern = pattern[..., :want].reshape(*pattern.shape[:-1], n_tiles, group)
+    pooled = pattern.all(-1) if reduce_all else pattern.any(-1)
+    return pooled.movedim(-1, dim)
+
+
+def _pool_pattern(mask: SideMask, block_q: int, block_k: int, n_q: int, n_k: int):
+    """Pool a block pattern [Bm, Hm, nbq, nbk] onto kernel tiles: (any, all) [Bm, Hm, nQ, nK]."""
+    pattern = mask.pattern.bool()
+    result = []
+    for reduce_all in (False, True):
+        pooled = _pool(pattern, 2, mask.block_q, block_q, n_q, reduce_all)
+        result.append(_pool(pooled, 3, mask.block_k, block_k, n_k, reduce_all))
+    return result[0], result[1]
+
+
+def build_schedule(problem: Problem, block_q: int, block_k: int) -> TileSchedule:
+    """Turn the problem's masks into the compressed key-tile lists for (block_q, block_k) tiles."""
+    n_q = max(math.ceil(problem.seqlen_q / block_q), 1)
+    n_k = max(math.ceil(problem.seqlen_k / block_k), 1)
+    any_s, all_s = _structural_tiles(problem, block_q, block_k, n_q, n_k)  # [S', nQ, nK]
+    any_s, all_s = any_s[:, None], all_s[:, None]  # [S', 1, nQ, nK]
+    sides = []
+    for mask in (problem.mask1, problem.mask2):
+        if mask is None:
+            sides.append((any_s, all_s))
+        else:
+            any_m, all_m = _pool_pattern(mask, block_q, block_k, n_q, n_k)
+            sides.append((any_s & any_m, all_s & all_m))
+    (any1, all1), (any2, all2) = sides
+    visit = any1 | any2
+    partial = visit & ~(all1 & all2)
+    kv_count = visit.sum(-1, dtype=torch.int32)
+    # a stable sort of "not visited" puts the visited tiles first, in ascending order
+    order = torch.argsort((~visit).to(torch.int8), dim=-1, stable=True)
+    kv_partial = torch.gather(partial, -1, order).to(torch.int8)
+    return TileSchedule(
+        block_q=block_q,
+        block_k=block_k,
+        kv_count=kv_count.contiguous(),
+        kv_index=order.to(torch.int32).contiguous(),
+        kv_partial=kv_partial.contiguous(),
+    )
+
+
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 32
+
+
+def _tensor_key(t: torch.Tensor | None):
+    return None if t is None else (id(t), t._version, t.data_ptr())
+
+
+def get_schedule(problem: Problem, block_q: int, block_k: int) -> TileSchedule:
+    """`build_schedule`, cached per (masks, cu_seqlens, shapes, tiles).
+
+    The cache holds the key tensors alive, so an id cannot be reused while its entry exists, and a
+    tensor changed in place (its version moves) misses the cache."""
+    if torch.compiler.is_compiling():
+        return build_schedule(problem, block_q, block_k)
+    keyed = [problem.cu_seqlens_q, problem.cu_seqlens_k]
+    keyed += [None if m is None else m.pattern for m in (problem.mask1, problem.mask2)]
+    key = (
+        tuple(_tensor_key(t) for t in keyed),
+        tuple(None if m is None else (m.block_q, m.block_k) for m in (problem.mask1, problem.mask2)),
+        problem.seqlen_q,
+        problem.seqlen_k,
+        problem.causal,
+        problem.window,
+        str(problem.device),
+        block_q,
+        block_k,
+    )
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit[0]
+    schedule = build_schedule(problem, block_q, block_k)
+    _CACHE[key] = (schedule, keyed)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return schedule
