@@ -65,6 +65,9 @@ def choose_backend(problem: Problem, backend: str | None) -> Backend:
     for candidate in PRIORITY:
         impl = _load(candidate)
         reasons = impl.not_supported_reasons(problem)
+        if not reasons and impl.needs_cuda and problem.device.type != "cuda":
+            # a GPU backend serving CPU tensors runs under an interpreter (tests): never pick it by default
+            reasons = ["inputs are not on a CUDA device (auto never picks an interpreted GPU kernel)"]
         if not reasons:
             return impl
         refusals.append(f"{candidate}: " + "; ".join(reasons))
