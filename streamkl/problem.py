@@ -100,6 +100,8 @@ def _fail(argument: str, expected: str, got: object, cls: type[Exception] = Valu
 def _check_tensor(name: str, t: object, ndim: int, layout: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         _fail(name, f"a torch.Tensor of shape {layout}", type(t).__name__, TypeError)
+    if t.layout != torch.strided or t.is_nested:
+        _fail(name, "a dense strided tensor (not sparse or nested)", f"layout {t.layout}", TypeError)
     if t.dtype not in dtypes:
         _fail(name, "float16, bfloat16 or float32", t.dtype, TypeError)
     if t.dim() != ndim:
@@ -149,18 +151,32 @@ def _check_cu_seqlens_meta(name: str, cu: object, total: int, device: torch.devi
         _fail(name, "1-D of shape (num_sequences + 1,)", f"shape {tuple(cu.shape)}")
     if cu.device != device:
         _fail(name, f"on the inputs' device {device}", cu.device)
+    if cu.stride(0) != 1 and cu.numel() > 1:  # kernels index it as a flat array
+        _fail(name, "contiguous (use .contiguous())", f"stride {cu.stride()}")
     return cu
 
 
-def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int) -> None:
-    """Value checks on cu_seqlens: start at 0, non-decreasing, last entry <= total. One host sync."""
-    values = cu.detach().to("cpu", torch.int64)
+def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int) -> int:
+    """Value checks on cu_seqlens: start at 0, non-decreasing, last entry <= total. One host sync.
+
+    Returns the longest sequence length, so that a given `max_seqlen` can be checked against it."""
+    return _check_cu_seqlens_host(name, cu.detach().to("cpu", torch.int64), total)
+
+
+def _check_cu_seqlens_host(name: str, values: torch.Tensor, total: int, what: str = "packed length") -> int:
     if int(values[0]) != 0:
         _fail(name, "a cumulative length table starting at 0", f"first entry {int(values[0])}")
-    if values.numel() > 1 and bool((values[1:] < values[:-1]).any()):
-        _fail(name, "non-decreasing (cumulative sequence lengths)", values.tolist()[:16])
+    lengths = values[1:] - values[:-1]
+    if lengths.numel() > 0 and bool((lengths < 0).any()):
+        first = int((lengths < 0).nonzero()[0, 0])
+        _fail(
+            name,
+            "non-decreasing (cumulative sequence lengths)",
+            f"{int(values[first + 1])} after {int(values[first])} at index {first + 1}",
+        )
     if int(values[-1]) > total:
-        _fail(name, f"at most the packed length {total} in its last entry", f"{int(values[-1])}")
+        _fail(name, f"at most the {what} {total} in its last entry", int(values[-1]))
+    return int(lengths.max()) if lengths.numel() > 0 else 0
 
 
 def max_seqlen_of(cu: torch.Tensor) -> int:
@@ -178,27 +194,27 @@ def _check_max_seqlen(name: str, value: object) -> int:
     return int(value)
 
 
-def _side_mask(name: str, mask: object, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device):
+def _side_mask(name: str, mask: object, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device, varlen: bool):
     if mask is None:
         return None
     from streamkl.sparse.block_mask import BlockMask
 
     if not isinstance(mask, BlockMask):
         _fail(name, "a streamkl.BlockMask or None", type(mask).__name__, TypeError)
+    if mask.device != device:
+        _fail(name, f"on the inputs' device {device} (use mask.to(device))", mask.device)
     bq, bk = mask.block_size
-    pattern = mask.to_dense()
-    mb, mh, nbq, nbk = pattern.shape
+    mb, mh, nbq, nbk = mask.shape
     want = (math.ceil(seqlen_q / bq), math.ceil(seqlen_k / bk))
     if mb not in (1, batch) or mh not in (1, heads) or (nbq, nbk) != want:
         _fail(
             name,
             f"a BlockMask of shape (1 or {batch}, 1 or {heads}, {want[0]}, {want[1]}) for block size "
-            f"{(bq, bk)} and {seqlen_q} queries x {seqlen_k} keys",
+            f"{(bq, bk)} and {seqlen_q} queries x {seqlen_k} keys"
+            + (" (max_seqlen x max_seqlen_k; blocks count from each sequence's start)" if varlen else ""),
             f"shape {(mb, mh, nbq, nbk)}",
         )
-    if pattern.device != device:
-        _fail(name, f"on the inputs' device {device} (use mask.to(device))", pattern.device)
-    return SideMask(pattern=pattern, block_q=bq, block_k=bk)
+    return SideMask(pattern=mask.to_dense(), block_q=bq, block_k=bk)
 
 
 def build_problem(
@@ -223,12 +239,14 @@ def build_problem(
 ) -> Problem:
     """Validate every argument of `streamkl.kl` and describe the call. Reads no tensor data
     except `cu_seqlens` contents when `check_values` (and `max_seqlen*` when omitted)."""
-    is_varlen = cu_seqlens is not None or cu_seqlens_k is not None
+    if cu_seqlens is None and cu_seqlens_k is not None:
+        _fail("cu_seqlens", "given when cu_seqlens_k is (cu_seqlens_k defaults to cu_seqlens, not the reverse)", None)
+    is_varlen = cu_seqlens is not None
     ndim, layout = (3, "(T, H, D)") if is_varlen else (4, "(B, N, H, D)")
     dtypes = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())  # float64: the reference only
-    tensors = [_check_tensor(n, t, ndim, layout, dtypes) for n, t in zip(NAMES, (q1, k1, q2, k2))]
+    tensors = [_check_tensor(n, t, ndim, layout, dtypes) for n, t in zip(NAMES, (q1, k1, q2, k2), strict=True)]
     q1, k1, q2, k2 = tensors
-    for n, t in zip(NAMES[1:], tensors[1:]):
+    for n, t in zip(NAMES[1:], tensors[1:], strict=True):
         if t.dtype != q1.dtype:
             _fail(n, f"the same dtype as q1 ({q1.dtype})", t.dtype, TypeError)
         if t.device != q1.device:
@@ -241,19 +259,25 @@ def build_problem(
 
     lead = 1 if is_varlen else 2  # leading (batch, length) dims, then heads, dim
     if q2.shape[:lead] != q1.shape[:lead]:
-        _fail("q2", f"the same {'length' if is_varlen else 'batch and length'} as q1 {tuple(q1.shape[:lead])}",
-              tuple(q2.shape[:lead]))
+        _fail(
+            "q2",
+            f"the same {'length' if is_varlen else 'batch and length'} as q1 {tuple(q1.shape[:lead])}",
+            tuple(q2.shape[:lead]),
+        )
     if q2.shape[-2] != q1.shape[-2]:
         _fail("q2", f"the same number of heads as q1 ({q1.shape[-2]})", q2.shape[-2])
     if k2.shape[:lead] != k1.shape[:lead]:
-        _fail("k2", f"the same {'length' if is_varlen else 'batch and length'} as k1 {tuple(k1.shape[:lead])}",
-              tuple(k2.shape[:lead]))
+        _fail(
+            "k2",
+            f"the same {'length' if is_varlen else 'batch and length'} as k1 {tuple(k1.shape[:lead])}",
+            tuple(k2.shape[:lead]),
+        )
     if not is_varlen and k1.shape[0] != q1.shape[0]:
         _fail("k1", f"the same batch size as q1 ({q1.shape[0]})", k1.shape[0])
     heads = q1.shape[-2]
     for name, q, k in (("k1", q1, k1), ("k2", q2, k2)):
         if k.shape[-1] != q.shape[-1]:
-            _fail(name, f"the head dim of q{name[1]} ({q.shape[-1]})", k.shape[-1])
+            _fail(name, f"of head dim {q.shape[-1]}, the head dim of q{name[1]}", k.shape[-1])
         hk = k.shape[-2]
         if hk < 1 or heads % hk != 0:
             _fail(name, f"a number of key heads dividing the {heads} query heads (GQA)", hk)
@@ -265,35 +289,49 @@ def build_problem(
 
     device = q1.device
     if is_varlen:
-        if cu_seqlens is None:
-            _fail("cu_seqlens", "given when cu_seqlens_k is", None)
         total_q, total_k = q1.shape[0], k1.shape[0]
         cu_q = _check_cu_seqlens_meta("cu_seqlens", cu_seqlens, total_q, device)
         cu_k = cu_q if cu_seqlens_k is None else _check_cu_seqlens_meta("cu_seqlens_k", cu_seqlens_k, total_k, device)
         if cu_k.numel() != cu_q.numel():
-            _fail("cu_seqlens_k", f"the same number of sequences as cu_seqlens ({cu_q.numel() - 1})",
-                  cu_k.numel() - 1)
+            _fail("cu_seqlens_k", f"the same number of sequences as cu_seqlens ({cu_q.numel() - 1})", cu_k.numel() - 1)
+        # type checks first: a bad max_seqlen must not cost a host sync
+        given_q = None if max_seqlen is None else _check_max_seqlen("max_seqlen", max_seqlen)
+        given_k = None if max_seqlen_k is None else _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        longest_q = longest_k = None
         if check_values:
-            check_cu_seqlens_values("cu_seqlens", cu_q, total_q)
-            if cu_k is not cu_q:
-                check_cu_seqlens_values("cu_seqlens_k", cu_k, total_k)
-        if max_seqlen is None:
-            max_seqlen = max_seqlen_of(cu_q)
-        if max_seqlen_k is None:
-            max_seqlen_k = max_seqlen if cu_seqlens_k is None else max_seqlen_of(cu_k)
-        seqlen_q = _check_max_seqlen("max_seqlen", max_seqlen)
-        seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+            values_q = cu_q.detach().to("cpu", torch.int64)
+            longest_q = _check_cu_seqlens_host("cu_seqlens", values_q, total_q)
+            if cu_k is cu_q:  # cu_seqlens also delimits the keys: it must fit k1's packed length too
+                longest_k = _check_cu_seqlens_host(
+                    "cu_seqlens", values_q, total_k, "packed key length (cu_seqlens_k defaults to cu_seqlens)"
+                )
+            else:
+                longest_k = check_cu_seqlens_values("cu_seqlens_k", cu_k, total_k)
+            for name, given, longest, table in (
+                ("max_seqlen", given_q, longest_q, "cu_seqlens"),
+                ("max_seqlen_k", given_k, longest_k, "cu_seqlens" if cu_k is cu_q else "cu_seqlens_k"),
+            ):
+                if given is not None and given < longest:
+                    _fail(name, f"at least the longest sequence in {table} ({longest})", given)
+        if given_q is None:
+            given_q = longest_q if longest_q is not None else max_seqlen_of(cu_q)
+        if given_k is None:
+            if cu_seqlens_k is None:
+                given_k = given_q
+            else:
+                given_k = longest_k if longest_k is not None else max_seqlen_of(cu_k)
+        seqlen_q, seqlen_k = given_q, given_k
         batch = cu_q.numel() - 1
     else:
-        for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen", max_seqlen), ("max_seqlen_k", max_seqlen_k)):
+        for name, value in (("max_seqlen", max_seqlen), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
                 _fail(name, "None for dense (4-D) inputs; pass cu_seqlens for packed sequences", type(value).__name__)
         batch, seqlen_q, seqlen_k = q1.shape[0], q1.shape[1], k1.shape[1]
         total_q = total_k = 0
         cu_q = cu_k = None
 
-    side1 = _side_mask("mask1", mask1, batch, heads, seqlen_q, seqlen_k, device)
-    side2 = _side_mask("mask2", mask2, batch, heads, seqlen_q, seqlen_k, device)
+    side1 = _side_mask("mask1", mask1, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
+    side2 = _side_mask("mask2", mask2, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
     return Problem(
         batch=batch,
         seqlen_q=seqlen_q,

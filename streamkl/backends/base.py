@@ -4,7 +4,10 @@ Every backend walks the same `TileSchedule` and returns the same tensors:
 
     forward(problem, q1, k1, q2, k2, schedule) -> (kl_rows, lse1, lse2, expect)
         kl_rows float32 problem.row_shape; lse1, lse2, expect float32 problem.lse_shape
-        (expect is E = sum_j p1 * (s1 - s2), +inf on uncovered rows, 0 on empty rows)
+        (expect is E = sum_j p1 * (s1 - s2) over keys allowed on both sides, 0 on empty rows;
+        kl_rows is +inf on uncovered rows, where a key is allowed on side 1 but not on side 2.
+        E stays finite there, so the backward gives finite gradients: side 2's are the true
+        g * (q - p), side 1's treat the infinite part as a constant.)
     backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs)
         -> (dq1, dk1, dq2, dk2), each in the input dtype, or None where needs[i] is False.
         grad_rows float32 problem.row_shape, already 0 on rows whose side-1 support is empty.
@@ -63,3 +66,32 @@ def row_view(problem: Problem, t: torch.Tensor, seq: int, start: int, length: in
 def lse_view(problem: Problem, t: torch.Tensor, seq: int, start: int, length: int) -> torch.Tensor:
     """The rows of one sequence of a head-major statistic, [H, len]."""
     return t[:, start : start + length] if problem.is_varlen else t[seq, :, start : start + length]
+
+
+#: The tests set this so that fresh outputs start as NaN: a row a backend never writes then fails.
+POISON_OUTPUTS = False
+
+
+def new_outputs(problem: Problem):
+    """Uninitialized (kl_rows, lse1, lse2, expect), float32; NaN-filled when POISON_OUTPUTS.
+
+    Backends must write every row, including rows no tile visits and varlen rows past
+    cu_seqlens[-1] (see `tail_rows`)."""
+    make = (
+        (lambda shape: torch.full(shape, float("nan"), dtype=torch.float32, device=problem.device))
+        if POISON_OUTPUTS
+        else (lambda shape: torch.empty(shape, dtype=torch.float32, device=problem.device))
+    )
+    return make(problem.row_shape), make(problem.lse_shape), make(problem.lse_shape), make(problem.lse_shape)
+
+
+def write_tail_rows(problem: Problem, kl_rows, lse1, lse2, expect) -> None:
+    """Varlen rows past cu_seqlens[-1] belong to no sequence: KL 0, lse -inf, E 0. No host sync."""
+    if not problem.is_varlen or problem.total_q == 0:
+        return
+    rows = torch.arange(problem.total_q, device=problem.device)
+    tail = rows >= problem.cu_seqlens_q[-1]
+    kl_rows.masked_fill_(tail[:, None], 0.0)
+    lse1.masked_fill_(tail[None, :], float("-inf"))
+    lse2.masked_fill_(tail[None, :], float("-inf"))
+    expect.masked_fill_(tail[None, :], 0.0)

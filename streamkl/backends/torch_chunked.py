@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from streamkl.backends.base import Backend, lse_view, row_view, sequence_spans
+from streamkl.backends.base import Backend, lse_view, new_outputs, row_view, sequence_spans, write_tail_rows
 from streamkl.problem import Problem, SideMask
 from streamkl.sparse.schedule import TileSchedule
 
@@ -96,7 +96,8 @@ class TorchChunkedBackend(Backend):
 
     # ------------------------------------------------------------------ walking the schedule
     def _walk(self, problem: Problem, schedule: TileSchedule):
-        """Yield (seq, span, rows, heads, chunks) for every visited query tile."""
+        """Yield (seq, span, rows, heads, chunks) for every query tile; chunks is empty when the
+        tile visits no key (its rows still have to be written)."""
         count = schedule.kv_count.cpu()
         index = schedule.kv_index.cpu()
         partial = schedule.kv_partial.cpu()
@@ -111,11 +112,9 @@ class TorchChunkedBackend(Backend):
                 rows = torch.arange(tile * block_q, min((tile + 1) * block_q, len_q), device=device)
                 for h in range(problem.heads) if per_head else [0]:
                     n = int(count[s, h, tile])
-                    if n == 0:
-                        continue
                     tiles = index[s, h, tile, :n].tolist()
                     flags = partial[s, h, tile, :n].tolist()
-                    chunks = list(_chunks(tiles, flags, block_k, len_k, max_tiles, device))
+                    chunks = list(_chunks(tiles, flags, block_k, len_k, max_tiles, device)) if n else []
                     heads = slice(h, h + 1) if per_head else slice(None)
                     yield seq, span, rows, heads, chunks
 
@@ -132,10 +131,8 @@ class TorchChunkedBackend(Backend):
     # ------------------------------------------------------------------ forward
     def forward(self, problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
         device = problem.device
-        kl_rows = torch.zeros(problem.row_shape, dtype=torch.float32, device=device)
-        lse1 = torch.full(problem.lse_shape, NEG_INF, dtype=torch.float32, device=device)
-        lse2 = torch.full(problem.lse_shape, NEG_INF, dtype=torch.float32, device=device)
-        expect = torch.zeros(problem.lse_shape, dtype=torch.float32, device=device)
+        kl_rows, lse1, lse2, expect = new_outputs(problem)
+        write_tail_rows(problem, kl_rows, lse1, lse2, expect)
         tensors = (q1, k1, q2, k2)
         for seq, span, rows, heads, chunks in self._walk(problem, schedule):
             sides = _Sides(problem, tensors, seq, span, rows, heads)
@@ -184,6 +181,8 @@ class TorchChunkedBackend(Backend):
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) if need else None for t, need in zip(tensors, needs)]
         side_needed = (needs[0] or needs[1], needs[2] or needs[3])
         for seq, span, rows, heads, chunks in self._walk(problem, schedule):
+            if not chunks:
+                continue
             _, q_start, len_q, k_start, len_k = span
             sides = _Sides(problem, tensors, seq, span, rows, heads)
             row_slice = _as_slice(rows)
@@ -208,8 +207,8 @@ class TorchChunkedBackend(Backend):
                 dscores = [None, None]
                 if side_needed[0]:
                     diff = s1 - s2
-                    if needs_mask:
-                        diff = torch.where(allowed1, diff, 0.0)
+                    if needs_mask:  # d over keys allowed on both sides (E was summed there too)
+                        diff = torch.where(allowed1 & allowed2, diff, 0.0)
                     dscores[0] = g * p * (diff - row_e) * problem.scale1
                 if side_needed[1]:
                     dscores[1] = g * (torch.exp(s2 - row_lse2) - p) * problem.scale2
@@ -263,6 +262,5 @@ def finalize(m1, l1, m2, l2, acc, uncovered):
     kl = expect - (m1 - m2) - torch.log(l1) + torch.log(l2)
     uncovered = uncovered | (~empty1 & (l2 == 0))
     kl = torch.where(uncovered, float("inf"), kl)
-    expect = torch.where(uncovered, float("inf"), expect)
     kl = torch.where(empty1, 0.0, kl)
     return kl, lse1, lse2, expect

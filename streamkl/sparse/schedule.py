@@ -180,3 +180,60 @@ def get_schedule(problem: Problem, block_q: int, block_k: int) -> TileSchedule:
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return schedule
+
+
+# ---------------------------------------------------------------------------------- key-major view
+@dataclass(frozen=True)
+class KeyTileSchedule:
+    """The same visits as a TileSchedule, listed per key tile (for key-major backward kernels).
+
+    q_count[s, h, k]      number of query tiles visiting key tile k of sequence s, head h
+    q_index[s, h, k, i]   the i-th of them, ascending; entries past q_count are unused
+    q_partial[s, h, k, i] 1 where that (query tile, key tile) pair needs element masks
+    """
+
+    block_q: int
+    block_k: int
+    q_count: torch.Tensor  # int32 [S', H', nK]
+    q_index: torch.Tensor  # int32 [S', H', nK, nQ]
+    q_partial: torch.Tensor  # int8  [S', H', nK, nQ]
+
+
+def transpose_schedule(schedule: TileSchedule) -> KeyTileSchedule:
+    """Invert a TileSchedule: for each key tile, the query tiles that visit it. Torch ops only, no
+    host sync."""
+    n_k = schedule.kv_index.shape[-1]
+    index = schedule.kv_index.long()
+    valid = torch.arange(n_k, device=index.device) < schedule.kv_count[..., None].long()  # [S', H', nQ, nK]
+    # kv_index is a permutation of the key tiles per row, so each scatter target is written once
+    visit = torch.zeros(index.shape, dtype=torch.bool, device=index.device).scatter_(-1, index, valid)
+    partial = torch.zeros(index.shape, dtype=torch.int8, device=index.device)
+    partial.scatter_(-1, index, schedule.kv_partial * valid)
+    visit_t = visit.transpose(-1, -2)  # [S', H', nK, nQ]
+    order = torch.argsort((~visit_t).to(torch.int8), dim=-1, stable=True)
+    return KeyTileSchedule(
+        block_q=schedule.block_q,
+        block_k=schedule.block_k,
+        q_count=visit_t.sum(-1, dtype=torch.int32).contiguous(),
+        q_index=order.to(torch.int32).contiguous(),
+        q_partial=torch.gather(partial.transpose(-1, -2), -1, order).contiguous(),
+    )
+
+
+_KEY_CACHE: OrderedDict = OrderedDict()
+
+
+def get_key_schedule(schedule: TileSchedule) -> KeyTileSchedule:
+    """`transpose_schedule`, cached per schedule object (the cache keeps the schedule alive, so its
+    id is not reused while the entry exists)."""
+    if torch.compiler.is_compiling():
+        return transpose_schedule(schedule)
+    hit = _KEY_CACHE.get(id(schedule))
+    if hit is not None and hit[0] is schedule:
+        _KEY_CACHE.move_to_end(id(schedule))
+        return hit[1]
+    result = transpose_schedule(schedule)
+    _KEY_CACHE[id(schedule)] = (schedule, result)
+    while len(_KEY_CACHE) > _CACHE_SIZE:
+        _KEY_CACHE.popitem(last=False)
+    return result

@@ -1,9 +1,33 @@
-"""Triton backend (NVIDIA Ampere and Hopper)."""
+"""Triton backend (NVIDIA Ampere and Hopper): fused forward and backward kernels walking the tile
+schedule. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (tests, CI)."""
 
 from __future__ import annotations
 
+import functools
+
 from streamkl.backends.base import Backend
 from streamkl.problem import Problem
+
+MAX_HEAD_DIM = 256
+
+
+@functools.lru_cache(maxsize=1)
+def _import_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        return f"Triton is not importable ({type(exc).__name__}: {exc}); pip install triton"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _tile_sizes(dim1: int, dim2: int, interpret: bool) -> tuple[int, int]:
+    if interpret:  # small tiles: the CPU interpreter's cost grows with the tile
+        return 16, 16
+    if max(dim1, dim2) > 128:
+        return 64, 32
+    return 128, 64
 
 
 class TritonBackend(Backend):
@@ -11,7 +35,46 @@ class TritonBackend(Backend):
     needs_cuda = True
 
     def environment_reasons(self) -> list[str]:
-        return ["the Triton backend is not implemented yet"]
+        reason = _import_reason()
+        if reason is not None:
+            return [reason]
+        from streamkl.backends.triton.common import interpreting
+
+        if interpreting():
+            return []
+        import torch
+
+        if not torch.cuda.is_available():
+            return ["no CUDA GPU is visible (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"]
+        major, minor = torch.cuda.get_device_capability()
+        if major < 8:
+            return [f"the GPU has compute capability {major}.{minor}; the Triton kernels need 8.0 (Ampere) or newer"]
+        return []
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
-        return self.environment_reasons()
+        reasons = self.environment_reasons()
+        if reasons:
+            return reasons
+        from streamkl.backends.triton.common import interpreting
+
+        if problem.device.type != "cuda" and not interpreting():
+            reasons.append(f"inputs are on {problem.device}, not on a CUDA device")
+        for side, dim in ((1, problem.dim1), (2, problem.dim2)):
+            if dim > MAX_HEAD_DIM:
+                reasons.append(f"head dim of side {side} is {dim}; the Triton kernels take at most {MAX_HEAD_DIM}")
+        return reasons
+
+    def tile_sizes(self, problem: Problem) -> tuple[int, int]:
+        from streamkl.backends.triton.common import interpreting
+
+        return _tile_sizes(problem.dim1, problem.dim2, interpreting())
+
+    def forward(self, problem: Problem, q1, k1, q2, k2, schedule):
+        from streamkl.backends.triton.forward import kl_forward
+
+        return kl_forward(problem, q1, k1, q2, k2, schedule)
+
+    def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
+        from streamkl.backends.triton.backward import kl_backward
+
+        return kl_backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs)

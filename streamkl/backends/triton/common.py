@@ -1,0 +1,139 @@
+"""Pieces the Triton kernels share: element masks, row loads, and the host-side argument packing.
+
+Kernels work in base 2: scores are multiplied by `scale * log2(e)` so that `exp2` replaces `exp`;
+statistics are turned back into natural logs once, when they are written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from streamkl.problem import Problem, SideMask
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+LOG2E_K = tl.constexpr(LOG2E)  # the same, readable inside kernels
+LN2_K = tl.constexpr(LN2)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (CI, tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------- device side
+@triton.jit
+def _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right):
+    """[BQ, BK] bool: sequence bounds, causality and window (bottom-right aligned, per sequence).
+
+    Causality is folded into `window_right` on the host; -1 means unbounded on that side."""
+    offset = len_k - len_q
+    b_i = o_i[:, None]
+    b_j = o_j[None, :]
+    allowed = (b_i < len_q) & (b_j < len_k)
+    allowed = allowed & ((window_left < 0) | (b_j >= b_i + offset - window_left))
+    allowed = allowed & ((window_right < 0) | (b_j <= b_i + offset + window_right))
+    return allowed
+
+
+@triton.jit
+def _side_allowed(m_struct, o_i, o_j, p_pattern, stride_mq, stride_mk, mask_block_q, mask_block_k,
+                  HAS_MASK: tl.constexpr):
+    """[BQ, BK] bool: one side's block pattern (already offset to its sequence and head) on top
+    of the structural mask; rows and keys are sequence-local."""
+    if HAS_MASK:
+        p_block = p_pattern + (o_i // mask_block_q)[:, None] * stride_mq + (o_j // mask_block_k)[None, :] * stride_mk
+        b_block = tl.load(p_block, mask=m_struct, other=0)
+        return m_struct & (b_block != 0)
+    else:
+        return m_struct
+
+
+@triton.jit
+def _dot(b_a, b_b, IEEE: tl.constexpr):
+    """a @ b with float32 accumulation; full float32 (no TF32) for float32 inputs."""
+    if IEEE:
+        return tl.dot(b_a, b_b, input_precision="ieee")
+    else:
+        return tl.dot(b_a, b_b)
+
+
+# ---------------------------------------------------------------------------------- host side
+def next_pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def window_bounds(problem: Problem) -> tuple[int, int]:
+    """(left, right) with causality folded into right; -1 is unbounded."""
+    left, right = problem.window
+    if problem.causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def head_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, token, head) strides of an input; batch stride 0 for packed (varlen) inputs."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def row_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, token, head) strides of a row-major output kl_rows [B, N, H] / [T, H]."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def stat_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, token) strides of a head-major statistic lse [B, H, N] / [H, T]."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def broadcast_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides with 0 on size-1 dims, so a kernel indexes every (sequence, head) the same way."""
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
+def mask_args(mask: SideMask | None, dummy: torch.Tensor):
+    """(pattern as uint8, its 4 broadcast strides, block_q, block_k) for one side."""
+    if mask is None:
+        return (dummy, 0, 0, 0, 0, 1, 1)
+    pattern = mask.pattern
+    if pattern.dtype == torch.bool:
+        pattern = pattern.view(torch.uint8)
+    return (pattern, *broadcast_strides(pattern), mask.block_q, mask.block_k)
+
+
+def varlen_args(problem: Problem, dummy: torch.Tensor):
+    if problem.is_varlen:
+        return problem.cu_seqlens_q, problem.cu_seqlens_k
+    return dummy, dummy
+
+
+def group_sizes(problem: Problem) -> tuple[int, int]:
+    """Query heads per key head on each side (GQA)."""
+    return problem.heads // problem.heads_k1, problem.heads // problem.heads_k2
+
+
+def dim_blocks(problem: Problem) -> tuple[int, int]:
+    return next_pow2(problem.dim1), next_pow2(problem.dim2)
+
+
+def log2_scales(problem: Problem) -> tuple[float, float]:
+    return problem.scale1 * LOG2E, problem.scale2 * LOG2E
+
+
+def num_q_tiles(problem: Problem, block_q: int) -> int:
+    return max(math.ceil(problem.seqlen_q / block_q), 1)
+
+
+def num_k_tiles(problem: Problem, block_k: int) -> int:
+    return max(math.ceil(problem.seqlen_k / block_k), 1)

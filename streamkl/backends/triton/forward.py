@@ -1,0 +1,222 @@
+"""The forward kernel: one program per (query tile, sequence * head), streaming its scheduled key
+tiles once and keeping the SPEC's five running statistics per row, plus the uncovered flag."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from streamkl.backends.triton.common import (
+    LN2_K,
+    _dot,
+    _side_allowed,
+    _structural_allowed,
+    broadcast_strides,
+    dim_blocks,
+    group_sizes,
+    head_strides,
+    log2_scales,
+    mask_args,
+    num_q_tiles,
+    row_strides,
+    stat_strides,
+    varlen_args,
+    window_bounds,
+)
+from streamkl.problem import Problem
+from streamkl.sparse.schedule import TileSchedule
+
+
+@triton.jit
+def _kl_fwd_kernel(
+    Q1, K1, Q2, K2,
+    KL, LSE1, LSE2, EXPECT,
+    CU_Q, CU_K,
+    KV_COUNT, KV_INDEX, KV_PARTIAL,
+    MASK1, MASK2,
+    stride_q1b, stride_q1n, stride_q1h,
+    stride_k1b, stride_k1n, stride_k1h,
+    stride_q2b, stride_q2n, stride_q2h,
+    stride_k2b, stride_k2n, stride_k2h,
+    stride_klb, stride_kln, stride_klh,
+    stride_sb, stride_sh, stride_sn,
+    stride_cs, stride_ch, stride_ct,
+    stride_is, stride_ih, stride_it,
+    stride_m1s, stride_m1h, stride_m1q, stride_m1k,
+    stride_m2s, stride_m2h, stride_m2q, stride_m2k,
+    mask1_block_q, mask1_block_k, mask2_block_q, mask2_block_k,
+    seqlen_q, seqlen_k, heads, group1, group2,
+    scale1, scale2,  # scale * log2(e)
+    window_left, window_right,
+    dim1, dim2,
+    SUB_TILES: tl.constexpr,  # programs per schedule query tile
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    seq = pid_bh // heads
+    head = pid_bh % heads
+    tile = pid_q // SUB_TILES  # the schedule's query tile
+    if USE_VARLEN:
+        q_start = tl.load(CU_Q + seq)
+        len_q = tl.load(CU_Q + seq + 1) - q_start
+        k_start = tl.load(CU_K + seq)
+        len_k = tl.load(CU_K + seq + 1) - k_start
+    else:
+        q_start = 0
+        len_q = seqlen_q
+        k_start = 0
+        len_k = seqlen_k
+    seq64 = seq.to(tl.int64)
+
+    o_i = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # sequence-local query rows
+    m_i = o_i < len_q
+    o_d1 = tl.arange(0, BLOCK_D1)
+    o_d2 = tl.arange(0, BLOCK_D2)
+    m_d1 = o_d1 < dim1
+    m_d2 = o_d2 < dim2
+    o_rows = (q_start + o_i).to(tl.int64)
+
+    p_q1 = Q1 + seq64 * stride_q1b + head * stride_q1h + o_rows[:, None] * stride_q1n + o_d1[None, :]
+    p_q2 = Q2 + seq64 * stride_q2b + head * stride_q2h + o_rows[:, None] * stride_q2n + o_d2[None, :]
+    b_q1 = tl.load(p_q1, mask=m_i[:, None] & m_d1[None, :], other=0.0)  # [BQ, BD1]
+    b_q2 = tl.load(p_q2, mask=m_i[:, None] & m_d2[None, :], other=0.0)  # [BQ, BD2]
+
+    # key heads of this query head, per side (GQA); key tiles are loaded transposed
+    p_k1 = K1 + seq64 * stride_k1b + (head // group1) * stride_k1h + o_d1[:, None]
+    p_k2 = K2 + seq64 * stride_k2b + (head // group2) * stride_k2h + o_d2[:, None]
+    p_count = KV_COUNT + seq * stride_cs + head * stride_ch + tile * stride_ct
+    p_index = KV_INDEX + seq * stride_is + head * stride_ih + tile * stride_it
+    p_partial = KV_PARTIAL + seq * stride_is + head * stride_ih + tile * stride_it
+    p_mask1 = MASK1 + seq * stride_m1s + head * stride_m1h
+    p_mask2 = MASK2 + seq * stride_m2s + head * stride_m2h
+
+    b_m1 = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    b_m2 = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    b_l1 = tl.zeros([BLOCK_Q], tl.float32)
+    b_l2 = tl.zeros([BLOCK_Q], tl.float32)
+    b_acc = tl.zeros([BLOCK_Q], tl.float32)
+    b_uncovered = tl.zeros([BLOCK_Q], tl.int32)
+
+    n_visit = tl.load(p_count)
+    for visit in range(0, n_visit):
+        k_tile = tl.load(p_index + visit)
+        partial = tl.load(p_partial + visit)
+        o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        m_j = o_j < len_k
+        o_keys = (k_start + o_j).to(tl.int64)
+        b_k1 = tl.load(p_k1 + o_keys[None, :] * stride_k1n, mask=m_d1[:, None] & m_j[None, :], other=0.0)  # [BD1, BK]
+        b_k2 = tl.load(p_k2 + o_keys[None, :] * stride_k2n, mask=m_d2[:, None] & m_j[None, :], other=0.0)  # [BD2, BK]
+        b_s1 = _dot(b_q1, b_k1, IEEE) * scale1  # [BQ, BK], log2 units
+        b_s2 = _dot(b_q2, b_k2, IEEE) * scale2  # [BQ, BK]
+        if partial != 0:
+            m_struct = _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right)
+            m_a1 = _side_allowed(m_struct, o_i, o_j, p_mask1, stride_m1q, stride_m1k, mask1_block_q, mask1_block_k,
+                                 HAS_MASK1)
+            m_a2 = _side_allowed(m_struct, o_i, o_j, p_mask2, stride_m2q, stride_m2k, mask2_block_q, mask2_block_k,
+                                 HAS_MASK2)
+            b_s1 = tl.where(m_a1, b_s1, float("-inf"))
+            b_s2 = tl.where(m_a2, b_s2, float("-inf"))
+            b_diff = tl.where(m_a1 & m_a2, b_s1 - b_s2, 0.0)
+            b_uncovered = tl.maximum(b_uncovered, tl.max((m_a1 & ~m_a2).to(tl.int32), axis=1))
+        else:
+            b_diff = b_s1 - b_s2
+        b_m1_new = tl.maximum(b_m1, tl.max(b_s1, axis=1))
+        b_m2_new = tl.maximum(b_m2, tl.max(b_s2, axis=1))
+        # rows without any key yet keep max -inf: shift by 0 there so no inf - inf appears
+        b_shift1 = tl.where(b_m1_new == float("-inf"), 0.0, b_m1_new)
+        b_shift2 = tl.where(b_m2_new == float("-inf"), 0.0, b_m2_new)
+        b_alpha1 = tl.exp2(b_m1 - b_shift1)
+        b_e1 = tl.exp2(b_s1 - b_shift1[:, None])  # [BQ, BK]
+        b_l1 = b_l1 * b_alpha1 + tl.sum(b_e1, axis=1)
+        b_acc = b_acc * b_alpha1 + tl.sum(b_e1 * b_diff, axis=1)
+        b_l2 = b_l2 * tl.exp2(b_m2 - b_shift2) + tl.sum(tl.exp2(b_s2 - b_shift2[:, None]), axis=1)
+        b_m1 = b_m1_new
+        b_m2 = b_m2_new
+
+    # finalize (SPEC 4), back to natural logs; large terms cancelled first: m1 - m2, log l1 - log l2
+    m_empty1 = b_l1 == 0.0
+    b_lse1 = (b_m1 + tl.log2(b_l1)) * LN2_K
+    b_lse2 = (b_m2 + tl.log2(b_l2)) * LN2_K
+    b_expect = tl.where(m_empty1, 0.0, b_acc / tl.where(m_empty1, 1.0, b_l1)) * LN2_K
+    b_kl = b_expect - ((b_m1 - b_m2) + tl.log2(b_l1) - tl.log2(b_l2)) * LN2_K
+    m_uncovered = (b_uncovered != 0) | (~m_empty1 & (b_l2 == 0.0))
+    b_kl = tl.where(m_uncovered, float("inf"), b_kl)
+    b_expect = tl.where(m_uncovered, float("inf"), b_expect)
+    b_kl = tl.where(m_empty1, 0.0, b_kl)
+
+    tl.store(KL + seq64 * stride_klb + o_rows * stride_kln + head * stride_klh, b_kl, mask=m_i)
+    o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
+    tl.store(LSE1 + o_stat, b_lse1, mask=m_i)
+    tl.store(LSE2 + o_stat, b_lse2, mask=m_i)
+    tl.store(EXPECT + o_stat, b_expect, mask=m_i)
+
+
+def fwd_config(problem: Problem, block_q: int) -> tuple[int, int, int]:
+    """(rows per program, num_warps, num_stages) for the forward."""
+    from streamkl.backends.triton.common import interpreting
+
+    if interpreting():
+        return block_q, 4, 1
+    big = max(problem.dim1, problem.dim2) > 128
+    rows = min(block_q, 64 if big else 128)
+    return rows, 8 if rows >= 128 or big else 4, 2 if big else 3
+
+
+def _new(shape, empty_row_value: float, varlen: bool, device) -> torch.Tensor:
+    """An output buffer. Every dense row is written by some program; varlen rows past
+    cu_seqlens[-1] are never visited, so they start at the empty-row value."""
+    if varlen:
+        return torch.full(shape, empty_row_value, dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
+    """Launch the forward: (kl_rows, lse1, lse2, expect) as backends/base.py documents."""
+    device = q1.device
+    varlen = problem.is_varlen
+    kl_rows = _new(problem.row_shape, 0.0, varlen, device)
+    lse1 = _new(problem.lse_shape, float("-inf"), varlen, device)
+    lse2 = _new(problem.lse_shape, float("-inf"), varlen, device)
+    expect = _new(problem.lse_shape, 0.0, varlen, device)
+    if kl_rows.numel() == 0:
+        return kl_rows, lse1, lse2, expect
+
+    block_q, block_k = schedule.block_q, schedule.block_k
+    rows, num_warps, num_stages = fwd_config(problem, block_q)
+    sub_tiles = block_q // rows
+    block_d1, block_d2 = dim_blocks(problem)
+    group1, group2 = group_sizes(problem)
+    scale1, scale2 = log2_scales(problem)
+    left, right = window_bounds(problem)
+    cu_q, cu_k = varlen_args(problem, schedule.kv_count)
+    mask1 = mask_args(problem.mask1, schedule.kv_partial)
+    mask2 = mask_args(problem.mask2, schedule.kv_partial)
+    count_strides = broadcast_strides(schedule.kv_count)
+    index_strides = broadcast_strides(schedule.kv_index)[:3]
+    assert broadcast_strides(schedule.kv_partial)[:3] == index_strides
+    grid = (num_q_tiles(problem, block_q) * sub_tiles, problem.batch * problem.heads)
+    _kl_fwd_kernel[grid](
+        q1, k1, q2, k2,
+        kl_rows, lse1, lse2, expect,
+        cu_q, cu_k,
+        schedule.kv_count, schedule.kv_index, schedule.kv_partial,
+        mask1[0], mask2[0],
+        *head_strides(q1, varlen), *head_strides(k1, varlen),
+        *head_strides(q2, varlen), *head_strides(k2, varlen),
+        *row_strides(kl_rows, varlen), *stat_strides(lse1, varlen),
+        *count_strides, *index_strides,
+        *mask1[1:5], *mask2[1:5],
+        mask1[5], mask1[6], mask2[5], mask2[6],
+        problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
+        scale1, scale2, left, right, problem.dim1, problem.dim2,
+        SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2,
+        USE_VARLEN=varlen, HAS_MASK1=problem.mask1 is not None, HAS_MASK2=problem.mask2 is not None,
+        IEEE=problem.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return kl_rows, lse1, lse2, expect

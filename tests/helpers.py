@@ -1,0 +1,73 @@
+"""Comparison of streamkl.kl against the float64 reference, forward, lse and every gradient."""
+
+from __future__ import annotations
+
+import torch
+
+import streamkl
+from streamkl.reference import reference_kl
+
+TOLERANCE = {  # SPEC section 7: (KL and lse, gradients), relative L2
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (1e-2, 2e-2),
+    torch.bfloat16: (1e-2, 2e-2),
+}
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    denom = expected.norm().item()
+    err = (actual - expected).norm().item()
+    return err / denom if denom > 0 else err
+
+
+def check_infinities(name, actual, expected):
+    """Same +-inf pattern (empty rows, uncovered rows), no NaN anywhere."""
+    assert not torch.isnan(actual).any(), f"{name}: NaN in output"
+    assert torch.equal(torch.isposinf(actual), torch.isposinf(expected)), f"{name}: +inf pattern differs"
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected)), f"{name}: -inf pattern differs"
+
+
+def make_inputs(shape_q, shape_k, heads, heads_k, dims, dtype, device, requires_grad=(True, True, True, True)):
+    """Random normal q1, k1, q2, k2: shape_q/shape_k are leading dims ((B, Nq) or (T,))."""
+    (h1k, h2k), (d1, d2) = heads_k, dims
+    shapes = [(*shape_q, heads, d1), (*shape_k, h1k, d1), (*shape_q, heads, d2), (*shape_k, h2k, d2)]
+    return [
+        torch.randn(s, device=device, dtype=torch.float32).to(dtype).requires_grad_(g)
+        for s, g in zip(shapes, requires_grad)
+    ]
+
+
+def check_against_reference(inputs, backend, check_grads=True, **kwargs):
+    """Run streamkl.kl (reduction none, lse) and the float64 reference on the same rounded inputs;
+    assert SPEC section 7 tolerances for KL, lse1, lse2 and every gradient that is required."""
+    dtype = inputs[0].dtype
+    kl_tol, grad_tol = TOLERANCE[dtype]
+    out, lse1, lse2 = streamkl.kl(*inputs, reduction="none", return_lse=True, backend=backend, **kwargs)
+    leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+    ref, ref_lse1, ref_lse2 = reference_kl(*leaves, **kwargs)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    for name, a, e in (("kl", out, ref), ("lse1", lse1, ref_lse1), ("lse2", lse2, ref_lse2)):
+        check_infinities(name, a, e)
+        finite = torch.isfinite(e)
+        if finite.any():
+            err = rel_l2(a[finite], e[finite])
+            assert err <= kl_tol, f"{name}: relative L2 error {err:.3g} > {kl_tol}"
+    if not check_grads or not any(t.requires_grad for t in inputs):
+        return out
+    finite_rows = torch.isfinite(ref)
+    upstream = torch.randn(ref.shape, dtype=torch.float64, device=ref.device) * finite_rows
+    wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+    grads = torch.autograd.grad((out.nan_to_num(posinf=0.0) * upstream.float()).sum(), [inputs[i] for i in wanted])
+    ref_grads = torch.autograd.grad(
+        (ref.nan_to_num(posinf=0.0) * upstream).sum(), [leaves[i] for i in wanted], allow_unused=True
+    )
+    for i, g, rg in zip(wanted, grads, ref_grads):
+        name = ("dq1", "dk1", "dq2", "dk2")[i]
+        assert g.dtype == dtype, f"{name}: dtype {g.dtype}, expected {dtype}"
+        assert g.shape == inputs[i].shape
+        assert torch.isfinite(g).all(), f"{name}: non-finite gradient"
+        rg = torch.zeros_like(leaves[i]) if rg is None else rg
+        err = rel_l2(g, rg)
+        assert err <= grad_tol, f"{name}: relative L2 error {err:.3g} > {grad_tol}"
+    return out

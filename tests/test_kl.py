@@ -1,0 +1,253 @@
+"""Dense features of the SPEC against the float64 reference, on every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import check_against_reference, make_inputs, rel_l2
+
+import streamkl
+from streamkl.reference import reference_kl
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_k: tuple[int, int]
+    dims: tuple[int, int]
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+
+    @property
+    def id(self) -> str:
+        parts = [
+            f"B{self.batch}-Nq{self.seqlen_q}-Nk{self.seqlen_k}-H{self.heads}-Hk{self.heads_k[0]}x{self.heads_k[1]}",
+            f"D{self.dims[0]}x{self.dims[1]}",
+        ]
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
+        return "-".join(parts)
+
+    def inputs(self, dtype, requires_grad=(True, True, True, True)):
+        return make_inputs(
+            (self.batch, self.seqlen_q),
+            (self.batch, self.seqlen_k),
+            self.heads,
+            self.heads_k,
+            self.dims,
+            dtype,
+            DEVICE,
+            requires_grad,
+        )
+
+    @property
+    def kwargs(self):
+        return dict(causal=self.causal, window=self.window)
+
+
+CASES = [
+    Case(2, 100, 300, 4, (2, 4), (64, 32)),  # Nq != Nk, GQA on side 1, D1 != D2
+    Case(1, 77, 77, 2, (1, 2), (32, 32), causal=True),  # MQA teacher
+    Case(2, 130, 50, 3, (3, 1), (16, 48), causal=True),  # Nq > Nk: the first rows see nothing
+    Case(1, 90, 200, 2, (2, 2), (32, 16), window=(20, 7)),
+    Case(1, 120, 120, 4, (1, 2), (80, 24), causal=True, window=(33, -1)),  # sliding window, D not pow2
+    Case(2, 64, 64, 2, (2, 2), (32, 32), window=(0, 0)),  # diagonal only: every row has one key
+    Case(1, 45, 170, 2, (2, 1), (96, 40), window=(-1, 30)),  # right-only window
+]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_against_reference(case, dtype, backend):
+    check_against_reference(case.inputs(dtype), backend, **case.kwargs)
+
+
+@pytest.mark.parametrize("scales", [(0.5, 2.0), (None, 0.05)], ids=["s0.5x2", "default-x0.05"])
+def test_scales_and_temperature(scales, backend):
+    case = CASES[1]
+    check_against_reference(case.inputs(torch.float32), backend, scale1=scales[0], scale2=scales[1], **case.kwargs)
+
+
+@pytest.mark.parametrize(
+    "requires_grad", [(False, False, True, True), (True, False, False, False), (False, True, False, True)],
+    ids=["student-only", "q1-only", "keys-only"],
+)
+def test_partial_gradients(requires_grad, backend):
+    case = CASES[0]
+    inputs = case.inputs(torch.float32, requires_grad)
+    check_against_reference(inputs, backend, **case.kwargs)
+
+
+def test_detached_teacher_costs_no_teacher_matmul(monkeypatch):
+    """The torch backend's backward must not form side-1 gradient products for a detached teacher."""
+    from streamkl.backends import torch_chunked
+
+    calls = []
+    real_matmul = torch.matmul
+
+    def counting_matmul(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return real_matmul(a, b)
+
+    case = Case(1, 64, 64, 2, (2, 2), (48, 16))
+    q1, k1, q2, k2 = case.inputs(torch.float32, (False, False, True, True))
+    loss = streamkl.kl(q1, k1, q2, k2, backend="torch")
+    monkeypatch.setattr(torch_chunked.torch, "matmul", counting_matmul)
+    loss.backward()
+    # per chunk: two score recomputations, plus dq2 and dk2; no product yields a side-1 (D=48) gradient
+    assert calls, "backward did not run"
+    grad_products = [c for c in calls if c[1][-1] == 48 and c[0][-1] != 48]
+    assert not grad_products, f"side-1 gradient products were computed: {grad_products}"
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_reductions(reduction, backend):
+    case = CASES[2]  # has empty rows: mean divides by the non-empty ones only
+    inputs = case.inputs(torch.float32)
+    out = streamkl.kl(*inputs, reduction=reduction, backend=backend, **case.kwargs)
+    leaves = [t.detach().double() for t in inputs]
+    rows, lse1, _ = reference_kl(*leaves, **case.kwargs)
+    if reduction == "none":
+        expected = rows
+    elif reduction == "sum":
+        expected = rows.sum()
+    else:
+        expected = rows.sum() / torch.isfinite(lse1).sum()
+    assert out.dtype == torch.float32
+    assert out.shape == expected.shape
+    assert rel_l2(out, expected) <= 1e-5
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in inputs)
+
+
+def test_nearly_identical_distributions(backend):
+    """q2 = q1 + 1e-3 noise, same keys: per-row KL ~1e-7, absolute error <= 1e-5."""
+    batch, n, heads, dim = 2, 150, 3, 32
+    q1 = torch.randn(batch, n, heads, dim, device=DEVICE)
+    k1 = torch.randn(batch, n, heads, dim, device=DEVICE)
+    q2 = q1 + 1e-3 * torch.randn_like(q1)
+    k2 = k1.clone()
+    for causal in (False, True):
+        out = streamkl.kl(q1, k1, q2, k2, reduction="none", causal=causal, backend=backend)
+        ref, _, _ = reference_kl(q1.double(), k1.double(), q2.double(), k2.double(), causal=causal)
+        assert (out.double() - ref).abs().max().item() <= 1e-5
+        assert ref.max().item() < 1e-3  # the case is the intended one
+
+
+def test_fully_masked_rows_are_exactly_zero(backend):
+    """Nq > Nk causal: rows i < Nq - Nk see no key. KL 0 exactly, lse -inf, zero gradients."""
+    case = Case(2, 96, 40, 2, (1, 2), (32, 16), causal=True)
+    inputs = case.inputs(torch.float32)
+    out, lse1, lse2 = streamkl.kl(*inputs, reduction="none", return_lse=True, backend=backend, causal=True)
+    empty = case.seqlen_q - case.seqlen_k
+    assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+    assert torch.isneginf(lse1[:, :, :empty]).all() and torch.isneginf(lse2[:, :, :empty]).all()
+    assert torch.isfinite(out[:, empty:]).all()
+    out.sum().backward()
+    q1, _, q2, _ = inputs
+    assert torch.equal(q1.grad[:, :empty], torch.zeros_like(q1.grad[:, :empty]))
+    assert torch.equal(q2.grad[:, :empty], torch.zeros_like(q2.grad[:, :empty]))
+    assert all(torch.isfinite(t.grad).all() for t in inputs)
+
+
+def test_strided_inputs_need_no_copy(backend):
+    """(B, H, N, D) tensors transposed to (B, N, H, D) are valid inputs and give the same result."""
+    batch, n, heads, dim = 1, 70, 4, 32
+    base = [torch.randn(batch, heads, n, dim, device=DEVICE) for _ in range(4)]
+    strided = [t.transpose(1, 2).requires_grad_() for t in (b.clone() for b in base)]
+    contiguous = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in base]
+    a = streamkl.kl(*strided, reduction="none", causal=True, backend=backend)
+    b = streamkl.kl(*contiguous, reduction="none", causal=True, backend=backend)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    a.sum().backward()
+    b.sum().backward()
+    for s, c in zip(strided, contiguous):
+        assert torch.allclose(s.grad, c.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_deterministic_gradients_are_bitwise_identical(backend):
+    case = CASES[4]
+    inputs = case.inputs(torch.float32)
+    grads = []
+    for _ in range(2):
+        for t in inputs:
+            t.grad = None
+        streamkl.kl(*inputs, deterministic=True, backend=backend, **case.kwargs).backward()
+        grads.append([t.grad.clone() for t in inputs])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_nan_inputs_propagate(backend):
+    case = CASES[0]
+    q1, k1, q2, k2 = case.inputs(torch.float32, (False,) * 4)
+    q1 = q1.clone()
+    q1[0, 3, 1, 0] = float("nan")
+    out = streamkl.kl(q1, k1, q2, k2, reduction="none", backend=backend)
+    assert torch.isnan(out[0, 3, 1])
+    assert torch.isfinite(out[1]).all()
+
+
+def test_backend_from_environment(monkeypatch):
+    case = CASES[1]
+    inputs = case.inputs(torch.float32, (False,) * 4)
+    monkeypatch.setenv("STREAMKL_BACKEND", "torch")
+    out = streamkl.kl(*inputs, **case.kwargs)
+    monkeypatch.setenv("STREAMKL_BACKEND", "no-such-backend")
+    with pytest.raises(ValueError, match="STREAMKL_BACKEND"):
+        streamkl.kl(*inputs, **case.kwargs)
+    monkeypatch.delenv("STREAMKL_BACKEND")
+    assert torch.equal(streamkl.kl(*inputs, backend="torch", **case.kwargs), out)
+
+
+def test_available_backends_and_info():
+    import subprocess
+    import sys
+
+    assert "torch" in streamkl.available_backends()
+    report = subprocess.run([sys.executable, "-m", "streamkl", "info"], capture_output=True, text=True, check=True)
+    for name in ("triton", "cupy", "torch"):
+        assert name in report.stdout
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """The custom ops compile without graph breaks and match eager, forward and backward."""
+    case = Case(1, 40, 56, 2, (1, 2), (16, 8), causal=True)
+    inputs = case.inputs(torch.float32)
+
+    def loss_fn(q1, k1, q2, k2):
+        return streamkl.kl(q1, k1, q2, k2, causal=True, backend="torch") * 3.0
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    out = compiled(*inputs)
+    out.backward()
+    compiled_grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    eager = loss_fn(*inputs)
+    eager.backward()
+    assert torch.allclose(out, eager)
+    for a, t in zip(compiled_grads, inputs):
+        assert torch.allclose(a, t.grad)
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library's own checks of the registered ops: schema, fake tensors, autograd."""
+    case = Case(1, 24, 40, 2, (1, 2), (16, 8), causal=True)
+    inputs = case.inputs(torch.float32)
+    from streamkl.autograd import kl_forward_op
+
+    ints = [1, -1, -1, 24, 40, 0, 0, 0, 0, 0]
+    torch.library.opcheck(
+        kl_forward_op, (*inputs, None, None, None, None, ints, [0.25, 0.35], "torch"),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
