@@ -26,6 +26,33 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _patch_interpreter_index() -> None:
+    """Triton 3.x's interpreter turns a scalar into a Python int with `int(array)`, which NumPy >= 2.3
+    refuses for the size-1 arrays it keeps scalars in, so `range(n)` over a runtime bound fails.
+    Index through the array's single element instead. Interpreter only; idempotent."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_streamkl_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._streamkl_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_index()
+# the interpreter multiplies bfloat16 blocks wrongly in tl.dot (triton 3.6): upcast there; the
+# float32 product of two 16-bit floats is exact, so results match the GPU's fp32 accumulation
+_INTERPRET = tl.constexpr(interpreting())
+
+
 # ---------------------------------------------------------------------------------- device side
 @triton.jit
 def _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right):
@@ -57,7 +84,9 @@ def _side_allowed(m_struct, o_i, o_j, p_pattern, stride_mq, stride_mk, mask_bloc
 @triton.jit
 def _dot(b_a, b_b, IEEE: tl.constexpr):
     """a @ b with float32 accumulation; full float32 (no TF32) for float32 inputs."""
-    if IEEE:
+    if _INTERPRET:
+        return tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
         return tl.dot(b_a, b_b, input_precision="ieee")
     else:
         return tl.dot(b_a, b_b)
