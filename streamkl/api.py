@@ -58,7 +58,7 @@ def kl(
         mask1=mask1,
         mask2=mask2,
         deterministic=deterministic,
-        check_values=not torch.compiler.is_compiling(),
+        check_values=_may_sync(),
     )
     impl = choose_backend(problem, backend)
     cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem)
@@ -69,6 +69,13 @@ def kl(
     if return_lse:
         return out, lse1.detach(), lse2.detach()
     return out
+
+
+def _may_sync() -> bool:
+    """Value checks of cu_seqlens read the device: skip them while compiling or capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str) -> torch.Tensor:
