@@ -6,12 +6,12 @@ import sys
 
 
 def info() -> str:
+    import os
+
     import torch
 
     import streamkl
     from streamkl.dispatch import ENV_VAR, backend_report
-
-    import os
 
     lines = [
         f"streamkl {streamkl.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}",

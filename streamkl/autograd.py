@@ -163,7 +163,8 @@ def _backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
     if grad_rows is None or not any(needs):
         return (None,) * 11
     grads = torch.ops.streamkl.kl_backward(
-        grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats, ctx.backend, needs
+        grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2,
+        ctx.ints, ctx.floats, ctx.backend, needs,
     )
     return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 7
 

@@ -44,10 +44,10 @@ def requested_backend(backend: str | None) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"streamkl.kl: `backend` must be a str or None; got {type(backend).__name__}.")
     name = backend.strip().lower()
-    if name not in PRIORITY + ("auto",):
-        raise ValueError(
-            f"streamkl.kl: `{source}` must be one of {', '.join(repr(n) for n in PRIORITY + ('auto',))}; got {backend!r}."
-        )
+    valid = PRIORITY + ("auto",)
+    if name not in valid:
+        names = ", ".join(repr(n) for n in valid)
+        raise ValueError(f"streamkl.kl: `{source}` must be one of {names}; got {backend!r}.")
     return name
 
 

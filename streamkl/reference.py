@@ -80,10 +80,10 @@ def reference_kl(q1, k1, q2, k2, **kwargs):
     problem = build_problem(q1, k1, q2, k2, allow_float64=True, **kwargs)
     if not problem.is_varlen:
         outs = [_sequence_kl(problem, q1[b], k1[b], q2[b], k2[b], b) for b in range(problem.batch)]
-        kl = torch.stack([o[0] for o in outs]) if outs else q1.new_zeros((0, problem.seqlen_q, problem.heads), dtype=torch.float64)
-        lse1 = torch.stack([o[1] for o in outs]) if outs else kl.new_zeros((0, problem.heads, problem.seqlen_q))
-        lse2 = torch.stack([o[2] for o in outs]) if outs else kl.new_zeros((0, problem.heads, problem.seqlen_q))
-        return kl, lse1, lse2
+        if not outs:
+            empty = q1.new_zeros((0, problem.seqlen_q, problem.heads), dtype=torch.float64)
+            return empty, empty.transpose(1, 2), empty.transpose(1, 2)
+        return tuple(torch.stack([o[i] for o in outs]) for i in range(3))
     cu_q = problem.cu_seqlens_q.tolist()
     cu_k = problem.cu_seqlens_k.tolist()
     total = problem.total_q

@@ -62,7 +62,7 @@ class _Sides:
         self.problem = problem
         self.heads = heads  # slice: all heads, or one head of a per-head schedule
         self.q, self.k = [], []
-        for side, (q, k) in enumerate(((tensors[0], tensors[1]), (tensors[2], tensors[3]))):
+        for q, k in ((tensors[0], tensors[1]), (tensors[2], tensors[3])):
             q_seq = row_view(problem, q, seq, q_start, len_q)[_as_slice(rows)]  # [R, H, D]
             k_seq = row_view(problem, k, seq, k_start, len_k)  # [len_k, Hk, D]
             q_seq = q_seq[:, heads]
@@ -178,7 +178,10 @@ class TorchChunkedBackend(Backend):
     def backward(self, problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
         device = problem.device
         tensors = (q1, k1, q2, k2)
-        grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) if need else None for t, need in zip(tensors, needs)]
+        grads = [
+            torch.zeros(t.shape, dtype=torch.float32, device=device) if need else None
+            for t, need in zip(tensors, needs)
+        ]
         side_needed = (needs[0] or needs[1], needs[2] or needs[3])
         for seq, span, rows, heads, chunks in self._walk(problem, schedule):
             if not chunks:
@@ -221,7 +224,8 @@ class TorchChunkedBackend(Backend):
                     hk = keys.shape[0]
                     h, r, c = ds.shape
                     if needs[2 * side]:
-                        dq_tile[2 * side] += torch.matmul(ds.reshape(hk, h // hk, r, c), keys[:, None]).reshape(h, r, -1)
+                        grouped = ds.reshape(hk, h // hk, r, c)
+                        dq_tile[2 * side] += torch.matmul(grouped, keys[:, None]).reshape(h, r, -1)
                     if needs[2 * side + 1]:
                         q = sides.q[side]
                         dk = torch.matmul(
