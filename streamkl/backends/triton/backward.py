@@ -48,10 +48,6 @@ def _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i):
     b_lse2 = tl.load(LSE2 + o_stat, mask=m_i, other=float("-inf"))
     b_e = tl.load(EXPECT + o_stat, mask=m_i, other=0.0)
     b_g = tl.load(GRAD + o_grad, mask=m_i, other=0.0)
-    # an uncovered row (E = +inf) has the constant KL +inf: gradient 0, as the reference's
-    m_uncovered = b_e == float("inf")
-    b_g = tl.where(m_uncovered, 0.0, b_g)
-    b_e = tl.where(m_uncovered, 0.0, b_e)
     # an empty row's lse is -inf: +inf makes its p = exp2(s - lse) exactly 0
     b_lse1 = tl.where(b_lse1 == float("-inf"), float("inf"), b_lse1 * LOG2E_K)
     b_lse2 = tl.where(b_lse2 == float("-inf"), float("inf"), b_lse2 * LOG2E_K)
@@ -66,7 +62,10 @@ def _tile_dscores(
     b_lse1, b_lse2, b_e, b_g,
     HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
 ):
-    """(dS1, dS2) [BQ, BK] of one tile from its log2-unit scores; element masks on partial tiles."""
+    """(dS1, dS2) [BQ, BK] of one tile from its log2-unit scores; element masks on partial tiles.
+
+    d and E run over keys allowed on both sides; an uncovered row's infinite part is a constant,
+    and dS2 is kept to side 2's support."""
     if partial != 0:
         m_struct = _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right)
         m_a1 = _side_allowed(m_struct, o_i, o_j, p_mask1, stride_m1q, stride_m1k, mask1_block_q, mask1_block_k,
@@ -76,12 +75,13 @@ def _tile_dscores(
         b_s1 = tl.where(m_a1, b_s1, float("-inf"))
         b_s2 = tl.where(m_a2, b_s2, float("-inf"))
         b_diff = tl.where(m_a1 & m_a2, b_s1 - b_s2, 0.0)
+        b_p = tl.exp2(b_s1 - b_lse1[:, None])  # [BQ, BK]
+        b_ds1 = b_g[:, None] * b_p * (b_diff * LN2_K - b_e[:, None])
+        b_ds2 = tl.where(m_a2, b_g[:, None] * (tl.exp2(b_s2 - b_lse2[:, None]) - b_p), 0.0)
     else:
-        b_diff = b_s1 - b_s2
-    b_p = tl.exp2(b_s1 - b_lse1[:, None])  # [BQ, BK]
-    b_q = tl.exp2(b_s2 - b_lse2[:, None])  # [BQ, BK]
-    b_ds1 = b_g[:, None] * b_p * (b_diff * LN2_K - b_e[:, None])
-    b_ds2 = b_g[:, None] * (b_q - b_p)
+        b_p = tl.exp2(b_s1 - b_lse1[:, None])  # [BQ, BK]
+        b_ds1 = b_g[:, None] * b_p * ((b_s1 - b_s2) * LN2_K - b_e[:, None])
+        b_ds2 = b_g[:, None] * (tl.exp2(b_s2 - b_lse2[:, None]) - b_p)
     return b_ds1, b_ds2
 
 

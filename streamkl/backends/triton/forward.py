@@ -24,6 +24,7 @@ from streamkl.backends.triton.common import (
     varlen_args,
     window_bounds,
 )
+from streamkl.backends.base import new_outputs, write_tail_rows
 from streamkl.problem import Problem
 from streamkl.sparse.schedule import TileSchedule
 
@@ -145,8 +146,7 @@ def _kl_fwd_kernel(
     b_expect = tl.where(m_empty1, 0.0, b_acc / tl.where(m_empty1, 1.0, b_l1)) * LN2_K
     b_kl = b_expect - ((b_m1 - b_m2) + tl.log2(b_l1) - tl.log2(b_l2)) * LN2_K
     m_uncovered = (b_uncovered != 0) | (~m_empty1 & (b_l2 == 0.0))
-    b_kl = tl.where(m_uncovered, float("inf"), b_kl)
-    b_expect = tl.where(m_uncovered, float("inf"), b_expect)
+    b_kl = tl.where(m_uncovered, float("inf"), b_kl)  # E stays finite: the backward needs it
     b_kl = tl.where(m_empty1, 0.0, b_kl)
 
     tl.store(KL + seq64 * stride_klb + o_rows * stride_kln + head * stride_klh, b_kl, mask=m_i)
@@ -167,22 +167,12 @@ def fwd_config(problem: Problem, block_q: int) -> tuple[int, int, int]:
     return rows, 8 if rows >= 128 or big else 4, 2 if big else 3
 
 
-def _new(shape, empty_row_value: float, varlen: bool, device) -> torch.Tensor:
-    """An output buffer. Every dense row is written by some program; varlen rows past
-    cu_seqlens[-1] are never visited, so they start at the empty-row value."""
-    if varlen:
-        return torch.full(shape, empty_row_value, dtype=torch.float32, device=device)
-    return torch.empty(shape, dtype=torch.float32, device=device)
-
-
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     """Launch the forward: (kl_rows, lse1, lse2, expect) as backends/base.py documents."""
-    device = q1.device
     varlen = problem.is_varlen
-    kl_rows = _new(problem.row_shape, 0.0, varlen, device)
-    lse1 = _new(problem.lse_shape, float("-inf"), varlen, device)
-    lse2 = _new(problem.lse_shape, float("-inf"), varlen, device)
-    expect = _new(problem.lse_shape, 0.0, varlen, device)
+    kl_rows, lse1, lse2, expect = new_outputs(problem)
+    # every row of a sequence is written by its program; varlen rows past cu_seqlens[-1] are not
+    write_tail_rows(problem, kl_rows, lse1, lse2, expect)
     if kl_rows.numel() == 0:
         return kl_rows, lse1, lse2, expect
 
