@@ -1,0 +1,70 @@
+"""Run kernels.cu on the CPU: the same source compiled as C++ (emulate.h maps the few CUDA
+constructs it uses onto std::thread and std::barrier), one thread per CUDA thread.
+
+Set STREAMKL_CUPY_EMULATE=1 to make the cupy backend serve CPU tensors this way (tests and CI
+without a GPU, like TRITON_INTERPRET=1 for Triton). Needs a C++20 compiler (g++ or $CXX). Slow:
+for small shapes only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ENV_VAR = "STREAMKL_CUPY_EMULATE"
+_HERE = Path(__file__).parent
+_SOURCES = ("kernels.cu", "emulate.h", "emulate.cpp")
+
+
+def emulating() -> bool:
+    return os.environ.get(ENV_VAR) == "1"
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def reasons() -> list[str]:
+    if compiler() is None:
+        return [f"{ENV_VAR}=1 needs a C++20 compiler (g++ or $CXX) to run the kernels on the CPU"]
+    return []
+
+
+@functools.lru_cache(maxsize=None)
+def _library(input_code: int) -> ctypes.CDLL:
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((_HERE / name).read_bytes())
+    digest.update(str(input_code).encode())
+    cache = Path(tempfile.gettempdir()) / "streamkl-cupy-emulate"
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"kernels-{digest.hexdigest()[:16]}-{input_code}.so"
+    if not target.exists():
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        command = [
+            compiler(), "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
+            f"-DSTREAMKL_INPUT={input_code}", str(_HERE / "emulate.cpp"), "-o", str(partial),
+        ]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        partial.replace(target)
+    library = ctypes.CDLL(str(target))
+    library.emu_launch.argtypes = [ctypes.c_int] * 5 + [ctypes.c_longlong, ctypes.c_void_p]
+    library.emu_launch.restype = None
+    return library
+
+
+def launch(kernel: int, grid: tuple[int, int, int], threads: int, smem: int, params: np.ndarray, code: int) -> None:
+    """Run one launch to completion on CPU threads; `params` is the one-element KLParams record."""
+    library = _library(code)
+    if library.emu_params_size() != params.dtype.itemsize:
+        raise RuntimeError("KLParams layout differs between kernels.cu and launch.py")
+    record = np.ascontiguousarray(params)
+    library.emu_launch(kernel, *grid, threads, smem, record.ctypes.data)

@@ -1,0 +1,270 @@
+"""Host side of the CuPy backend: compile kernels.cu once per input dtype and device, pack the
+kernels' one argument record (KLParams, parsed from the .cu so that the two never disagree) and
+launch on torch's current stream. Tensors go to the kernels as raw addresses with explicit
+strides: no copy, any strides with a contiguous last dimension. No host sync in this path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from streamkl.backends.base import new_outputs, write_tail_rows
+from streamkl.backends.cupy import emulate
+from streamkl.problem import Problem, SideMask
+from streamkl.sparse.schedule import TileSchedule, get_key_schedule
+
+SOURCE = Path(__file__).with_name("kernels.cu")
+BLOCK_Q, BLOCK_K = 64, 32  # the schedule tile the kernels walk (SK_BLOCK_Q, SK_BLOCK_K)
+THREADS = 256
+BWD_ROWS = 32  # rows per backward block (SK_BWD_ROWS)
+MAX_HEAD_DIM = 256
+MAX_GRID_Y = 65535
+INPUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # STREAMKL_INPUT
+KERNELS = ("kl_forward", "kl_backward_dq", "kl_backward_dk")
+_C_TYPES = {"sk_u64": np.uint64, "long long": np.int64, "int": np.int32, "float": np.float32}
+
+
+# ---------------------------------------------------------------------------------- the record
+@functools.lru_cache(maxsize=1)
+def params_dtype() -> np.dtype:
+    """The NumPy record matching `struct KLParams` of kernels.cu, field for field."""
+    text = SOURCE.read_text()
+    body = re.search(r"struct KLParams \{(.*?)\n\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    names, formats = [], []
+    for declaration in body.split(";"):
+        declaration = " ".join(declaration.split())
+        if not declaration:
+            continue
+        match = re.fullmatch(r"(sk_u64|long long|int|float) (.+)", declaration)
+        if match is None:
+            raise RuntimeError(f"kernels.cu: unexpected KLParams field declaration {declaration!r}")
+        for name in match.group(2).split(","):
+            names.append(name.strip())
+            formats.append(_C_TYPES[match.group(1)])
+    return np.dtype({"names": names, "formats": formats}, align=True)
+
+
+def smem_stride(dim: int) -> int:
+    """Shared-memory row stride in floats: a multiple of 4, an odd number of float4 (no conflicts)."""
+    stride = (dim + 3) // 4 * 4
+    return stride + 4 if (stride // 4) % 2 == 0 else stride
+
+
+def shared_bytes(dim1: int, dim2: int) -> dict[str, int]:
+    """Dynamic shared memory of each kernel, in bytes (the carve-up at the top of each kernel)."""
+    both = smem_stride(dim1) + smem_stride(dim2)
+    floats = {
+        "kl_forward": (64 + 32) * both + 6 * 4 * 64,
+        "kl_backward_dq": 3 * 32 * both + 2 * 32 * 32,
+        "kl_backward_dk": 3 * 32 * both + 2 * 32 * 32 + 4 * 32,
+    }
+    return {name: 4 * count for name, count in floats.items()}
+
+
+# ---------------------------------------------------------------------------------- compile, launch
+@functools.lru_cache(maxsize=None)
+def _functions(input_code: int, device_index: int):
+    """The three kernels for one input dtype on one device, compiled once (NVRTC, no headers)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(
+            code=SOURCE.read_text(), options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}")
+        )
+        functions = {name: module.get_function(name) for name in KERNELS}
+        limit = shared_memory_limit(torch.device("cuda", device_index))
+        for function in functions.values():
+            function.max_dynamic_shared_size_bytes = limit
+    return functions
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit(device: torch.device) -> int:
+    """Largest dynamic shared memory a block may opt in to on this device."""
+    return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
+def _launch(kernel: str, tiles: int, pairs: int, params: np.ndarray, problem: Problem) -> None:
+    if tiles <= 0 or pairs <= 0:  # CuPy would round an empty grid up to one block
+        return
+    grid_y = min(pairs, MAX_GRID_Y)
+    grid = (tiles, grid_y, math.ceil(pairs / grid_y))
+    smem = shared_bytes(problem.dim1, problem.dim2)[kernel]
+    code = INPUT_CODES[problem.dtype]
+    if emulate.emulating():
+        emulate.launch(KERNELS.index(kernel), grid, THREADS, smem, params, code)
+        return
+    import cupy
+
+    device = problem.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    function = _functions(code, index)[kernel]
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, index)
+    with cupy.cuda.Device(index):
+        function(grid, (THREADS,), (params,), shared_mem=smem, stream=stream)
+
+
+# ---------------------------------------------------------------------------------- argument packing
+def _token_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, token, head) strides of an input or of a row tensor; batch stride 0 when packed."""
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _stat_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, token) strides of lse1 / lse2 / expect."""
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _broadcast_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides with 0 on size-1 dims: a kernel indexes every (sequence, head) alike."""
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
+def _set(record: np.ndarray, prefix: str, suffixes: str, values) -> None:
+    for suffix, value in zip(suffixes, values):
+        record[f"{prefix}_{suffix}"] = value
+
+
+def _base_params(problem: Problem, q1, k1, q2, k2) -> np.ndarray:
+    """The fields every kernel reads: inputs, sizes, scales, structural and block masks."""
+    record = np.zeros(1, dtype=params_dtype())
+    varlen = problem.is_varlen
+    for name, t in (("q1", q1), ("k1", k1), ("q2", q2), ("k2", k2)):
+        record[name] = t.data_ptr()
+        _set(record, name, "bnh", _token_strides(t, varlen))
+    if varlen:
+        record["cu_q"] = problem.cu_seqlens_q.data_ptr()
+        record["cu_k"] = problem.cu_seqlens_k.data_ptr()
+    record["heads"] = problem.heads
+    record["group1"] = problem.heads // problem.heads_k1
+    record["group2"] = problem.heads // problem.heads_k2
+    record["dim1"], record["dim2"] = problem.dim1, problem.dim2
+    record["stride1"], record["stride2"] = smem_stride(problem.dim1), smem_stride(problem.dim2)
+    record["seqlen_q"], record["seqlen_k"] = problem.seqlen_q, problem.seqlen_k
+    record["varlen"] = int(varlen)
+    left, right = problem.window
+    if problem.causal:  # key j <= i + offset
+        right = 0 if right < 0 else min(right, 0)
+    record["window_left"], record["window_right"] = left, right
+    record["scale1"], record["scale2"] = problem.scale1, problem.scale2
+    for side, mask in (("1", problem.mask1), ("2", problem.mask2)):
+        _set_mask(record, side, mask)
+    return record
+
+
+def _set_mask(record: np.ndarray, side: str, mask: SideMask | None) -> None:
+    if mask is None:
+        return
+    pattern = mask.pattern  # kernels read one byte per block, nonzero = allowed
+    if pattern.element_size() != 1:
+        raise TypeError(f"streamkl cupy backend: block patterns must be bool; got {pattern.dtype}")
+    record[f"mask{side}"] = pattern.data_ptr()
+    record[f"has_mask{side}"] = 1
+    _set(record, f"mask{side}", "shqk", _broadcast_strides(pattern))
+    record[f"mask{side}_bq"], record[f"mask{side}_bk"] = mask.block_q, mask.block_k
+
+
+def _set_schedule(record: np.ndarray, count: torch.Tensor, index: torch.Tensor, partial: torch.Tensor) -> None:
+    record["sched_count"] = count.data_ptr()
+    record["sched_index"] = index.data_ptr()
+    record["sched_partial"] = partial.data_ptr()
+    _set(record, "count", "sht", _broadcast_strides(count))
+    index_strides = _broadcast_strides(index)
+    if index_strides[:3] != _broadcast_strides(partial)[:3] or index.stride(-1) != 1 or partial.stride(-1) != 1:
+        raise RuntimeError("streamkl cupy backend: schedule index and partial flags must share one layout")
+    _set(record, "index", "sht", index_strides[:3])
+
+
+def _check_schedule(schedule: TileSchedule) -> None:
+    if (schedule.block_q, schedule.block_k) != (BLOCK_Q, BLOCK_K):
+        raise ValueError(
+            f"streamkl cupy backend: the kernels walk {BLOCK_Q}x{BLOCK_K} tiles; got a schedule of "
+            f"{schedule.block_q}x{schedule.block_k}"
+        )
+
+
+# ---------------------------------------------------------------------------------- forward
+def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
+    """(kl_rows, lse1, lse2, expect) as backends/base.py documents."""
+    _check_schedule(schedule)
+    kl_rows, lse1, lse2, expect = new_outputs(problem)
+    write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
+    if kl_rows.numel() == 0:
+        return kl_rows, lse1, lse2, expect
+    varlen = problem.is_varlen
+    record = _base_params(problem, q1, k1, q2, k2)
+    record["kl_rows"] = kl_rows.data_ptr()
+    _set(record, "row", "bnh", _token_strides(kl_rows, varlen))
+    record["lse1"], record["lse2"], record["expect"] = lse1.data_ptr(), lse2.data_ptr(), expect.data_ptr()
+    _set(record, "stat", "bhn", _stat_strides(lse1, varlen))
+    _set_schedule(record, schedule.kv_count, schedule.kv_index, schedule.kv_partial)
+    pairs = problem.batch * problem.heads
+    record["batch_heads"] = pairs
+    _launch("kl_forward", math.ceil(problem.seqlen_q / BLOCK_Q), pairs, record, problem)
+    return kl_rows, lse1, lse2, expect
+
+
+# ---------------------------------------------------------------------------------- backward
+def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule: TileSchedule, needs):
+    """(dq1, dk1, dq2, dk2) in the input dtype, None where not needed.
+
+    Two kernels owning disjoint outputs, so gradients are bitwise reproducible in every mode (no
+    atomics): q-major for dq over the schedule, key-major for dk over its transpose. Both score
+    sides are always recomputed (dS1 needs s2, dS2 needs p); a side whose gradients are not
+    needed costs no gradient product."""
+    _check_schedule(schedule)
+    tensors = (q1, k1, q2, k2)
+    # float32 accumulators; rows no block owns (never visited, past cu_seqlens[-1]) stay 0
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if need else None
+             for t, need in zip(tensors, needs)]
+    if not any(needs) or q1.numel() == 0 or k1.numel() == 0:
+        return tuple(None if g is None else g.to(problem.dtype) for g in grads)
+    varlen = problem.is_varlen
+    grad_rows = grad_rows.float()
+    stats = (lse1, lse2, expect)
+    if any(t.stride() != lse1.stride() for t in stats):
+        lse1, lse2, expect = (t.contiguous() for t in stats)
+
+    record = _base_params(problem, q1, k1, q2, k2)
+    record["lse1"], record["lse2"], record["expect"] = lse1.data_ptr(), lse2.data_ptr(), expect.data_ptr()
+    _set(record, "stat", "bhn", _stat_strides(lse1, varlen))
+    record["grad_rows"] = grad_rows.data_ptr()
+    _set(record, "grad", "bnh", _token_strides(grad_rows, varlen))
+    for name, g in zip(("dq1", "dk1", "dq2", "dk2"), grads):
+        if g is not None:
+            record[name] = g.data_ptr()
+            _set(record, name, "bnh", _token_strides(g, varlen))
+
+    if needs[0] or needs[2]:
+        query = record.copy()
+        query["need_dq1"], query["need_dq2"] = int(needs[0]), int(needs[2])
+        _set_schedule(query, schedule.kv_count, schedule.kv_index, schedule.kv_partial)
+        pairs = problem.batch * problem.heads
+        query["batch_heads"] = pairs
+        tiles = math.ceil(problem.seqlen_q / BLOCK_Q) * (BLOCK_Q // BWD_ROWS)
+        _launch("kl_backward_dq", tiles, pairs, query, problem)
+
+    if needs[1] or needs[3]:
+        keys = get_key_schedule(schedule)
+        group1, group2 = problem.heads // problem.heads_k1, problem.heads // problem.heads_k2
+        # one launch when both sides group their query heads alike, else one per side
+        if needs[1] and needs[3] and group1 != group2:
+            launches = [(group1, True, False), (group2, False, True)]
+        else:
+            launches = [(group1 if needs[1] else group2, needs[1], needs[3])]
+        for group, need1, need2 in launches:
+            key = record.copy()
+            key["need_dk1"], key["need_dk2"] = int(need1), int(need2)
+            key["group_drive"], key["heads_drive"] = group, problem.heads // group
+            _set_schedule(key, keys.q_count, keys.q_index, keys.q_partial)
+            pairs = problem.batch * (problem.heads // group)
+            key["batch_heads"] = pairs
+            _launch("kl_backward_dk", math.ceil(problem.seqlen_k / BLOCK_K), pairs, key, problem)
+    return tuple(None if g is None else g.to(problem.dtype) for g in grads)
