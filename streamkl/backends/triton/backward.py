@@ -32,6 +32,7 @@ from streamkl.backends.triton.common import (
     mask_args,
     num_k_tiles,
     num_q_tiles,
+    pipeline_stages,
     row_strides,
     stat_strides,
     varlen_args,
@@ -269,8 +270,10 @@ def _kl_bwd_dk_kernel(
             o_i = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
             m_i = o_i < len_q
             o_rows = (q_start + o_i).to(tl.int64)
-            b_q1 = tl.load(p_q1 + o_rows[:, None] * stride_q1n, mask=m_i[:, None] & m_d1[None, :], other=0.0)  # [BQ, BD1]
-            b_q2 = tl.load(p_q2 + o_rows[:, None] * stride_q2n, mask=m_i[:, None] & m_d2[None, :], other=0.0)  # [BQ, BD2]
+            m_q1 = m_i[:, None] & m_d1[None, :]
+            b_q1 = tl.load(p_q1 + o_rows[:, None] * stride_q1n, mask=m_q1, other=0.0)  # [BQ, BD1]
+            m_q2 = m_i[:, None] & m_d2[None, :]
+            b_q2 = tl.load(p_q2 + o_rows[:, None] * stride_q2n, mask=m_q2, other=0.0)  # [BQ, BD2]
             o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
             o_grad = seq64 * stride_gb + head * stride_gh + o_rows * stride_gn
             b_lse1, b_lse2, b_e, b_g = _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i)
@@ -297,13 +300,24 @@ def _kl_bwd_dk_kernel(
         tl.store(p_dk2, b_dk2.to(DK2.dtype.element_ty), mask=m_j[:, None] & m_d2[None, :])
 
 
-def bwd_config(problem: Problem, block_q: int) -> tuple[int, int, int]:
-    """(rows per dq program, num_warps, num_stages)."""
+def bwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, int]:
+    """(rows per dq program, num_warps, num_stages) of the dq kernel."""
     if interpreting():
         return block_q, 4, 1
-    big = max(problem.dim1, problem.dim2) > 128
+    block_d1, block_d2 = dim_blocks(problem)
+    big = max(block_d1, block_d2) > 128
     rows = min(block_q, 32 if big else 64)
-    return rows, 4 if rows <= 64 and not big else 8, 2
+    stages = pipeline_stages(block_k * (block_d1 + block_d2) * problem.dtype.itemsize)
+    return rows, 8 if big else 4, stages
+
+
+def dk_config(problem: Problem, block_q: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of the dk kernel, which streams query tiles."""
+    if interpreting():
+        return 4, 1
+    block_d1, block_d2 = dim_blocks(problem)
+    stages = pipeline_stages(block_q * (block_d1 + block_d2) * problem.dtype.itemsize, most=2)
+    return (4 if max(block_d1, block_d2) <= 64 else 8), stages
 
 
 def _grad_buffer(t: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -345,7 +359,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         return head_strides(t, varlen) if t is not None else (0, 0, 0)
 
     if needs[0] or needs[2]:
-        rows, num_warps, num_stages = bwd_config(problem, block_q)
+        rows, num_warps, num_stages = bwd_config(problem, block_q, block_k)
         sub_tiles = block_q // rows
         grid = (num_q_tiles(problem, block_q) * sub_tiles, problem.batch * problem.heads)
         _kl_bwd_dq_kernel[grid](
@@ -368,7 +382,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             launches = [(group1, True, False), (group2, False, True)]
         else:
             launches = [(group1 if needs[1] else group2, needs[1], needs[3])]
-        num_warps = 4 if interpreting() or max(problem.dim1, problem.dim2) <= 64 else 8
+        num_warps, num_stages = dk_config(problem, block_q)
         for group_drive, need1, need2 in launches:
             grid = (num_k_tiles(problem, block_k), problem.batch * (problem.heads // group_drive))
             _kl_bwd_dk_kernel[grid](
@@ -381,7 +395,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
                 problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2, group_drive,
                 scale1, scale2, left, right, problem.dim1, problem.dim2,
                 BLOCK_Q=block_q, NEED_DK1=need1, NEED_DK2=need2, **flags,
-                num_warps=num_warps, num_stages=1 if interpreting() else 2,
+                num_warps=num_warps, num_stages=num_stages,
             )
     return tuple(grads)
 

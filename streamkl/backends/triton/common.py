@@ -166,3 +166,10 @@ def num_q_tiles(problem: Problem, block_q: int) -> int:
 
 def num_k_tiles(problem: Problem, block_k: int) -> int:
     return max(math.ceil(problem.seqlen_k / block_k), 1)
+
+
+def pipeline_stages(bytes_per_step: int, budget: int = 128 * 1024, most: int = 3) -> int:
+    """Software-pipelining depth whose buffered loads fit in `budget` bytes of shared memory."""
+    if interpreting():
+        return 1
+    return max(1, min(most, budget // max(bytes_per_step, 1)))

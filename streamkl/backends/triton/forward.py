@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from streamkl.backends.base import new_outputs, write_tail_rows
 from streamkl.backends.triton.common import (
     LN2_K,
     _dot,
@@ -16,15 +17,16 @@ from streamkl.backends.triton.common import (
     dim_blocks,
     group_sizes,
     head_strides,
+    interpreting,
     log2_scales,
     mask_args,
     num_q_tiles,
+    pipeline_stages,
     row_strides,
     stat_strides,
     varlen_args,
     window_bounds,
 )
-from streamkl.backends.base import new_outputs, write_tail_rows
 from streamkl.problem import Problem
 from streamkl.sparse.schedule import TileSchedule
 
@@ -156,15 +158,15 @@ def _kl_fwd_kernel(
     tl.store(EXPECT + o_stat, b_expect, mask=m_i)
 
 
-def fwd_config(problem: Problem, block_q: int) -> tuple[int, int, int]:
+def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, int]:
     """(rows per program, num_warps, num_stages) for the forward."""
-    from streamkl.backends.triton.common import interpreting
-
     if interpreting():
         return block_q, 4, 1
-    big = max(problem.dim1, problem.dim2) > 128
+    block_d1, block_d2 = dim_blocks(problem)
+    big = max(block_d1, block_d2) > 128
     rows = min(block_q, 64 if big else 128)
-    return rows, 8 if rows >= 128 or big else 4, 2 if big else 3
+    stages = pipeline_stages(block_k * (block_d1 + block_d2) * problem.dtype.itemsize)
+    return rows, 8 if rows >= 128 or big else 4, stages
 
 
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
@@ -177,7 +179,7 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
         return kl_rows, lse1, lse2, expect
 
     block_q, block_k = schedule.block_q, schedule.block_k
-    rows, num_warps, num_stages = fwd_config(problem, block_q)
+    rows, num_warps, num_stages = fwd_config(problem, block_q, block_k)
     sub_tiles = block_q // rows
     block_d1, block_d2 = dim_blocks(problem)
     group1, group2 = group_sizes(problem)

@@ -1,0 +1,122 @@
+"""The Triton backend on a real GPU, at real sizes: against the float64 reference where it fits,
+against the torch backend (float32) where it does not. Skipped without CUDA.
+
+    python -m pytest -q tests/test_triton_gpu.py            # on the H200, through the device tool
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import check_against_reference, make_inputs, rel_l2
+
+import streamkl
+from streamkl.sparse.block_mask import BlockMask
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+DEVICE = "cuda"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (B, Nq, Nk, H, (H1k, H2k), (D1, D2), causal, window)
+DENSE = {
+    "B2-N1000-H4-Hk4x4-D64-causal": (2, 1000, 1000, 4, (4, 4), (64, 64), True, (-1, -1)),
+    "B1-N777-H4-Hk1x2-D128x64": (1, 777, 777, 4, (1, 2), (128, 64), False, (-1, -1)),
+    "B2-Nq300-Nk1100-H2-Hk2x1-D96x80-causal": (2, 300, 1100, 2, (2, 1), (96, 80), True, (-1, -1)),
+    "B1-Nq900-Nk400-H2-Hk2x2-D64-causal": (1, 900, 400, 2, (2, 2), (64, 64), True, (-1, -1)),  # empty rows
+    "B1-N1500-H2-Hk1x1-D128-window256_0": (1, 1500, 1500, 2, (1, 1), (128, 128), False, (256, 0)),
+    "B1-N600-H2-Hk2x2-D256x192-causal": (1, 600, 600, 2, (2, 2), (256, 192), True, (-1, -1)),
+    "B1-N513-H2-Hk2x2-D32x16-window40_9": (1, 513, 513, 2, (2, 2), (32, 16), False, (40, 9)),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", list(DENSE.values()), ids=list(DENSE))
+def test_dense_against_reference(case, dtype):
+    batch, nq, nk, heads, heads_k, dims, causal, window = case
+    inputs = make_inputs((batch, nq), (batch, nk), heads, heads_k, dims, dtype, DEVICE)
+    check_against_reference(inputs, "triton", causal=causal, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_varlen_16_sequences_against_reference(dtype):
+    lengths = [0, 1, 17, 64, 127, 128, 129, 300, 5, 0, 512, 250, 33, 1000, 2, 700]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    total = int(cu[-1]) + 7  # tail rows past cu_seqlens[-1]
+    inputs = make_inputs((total,), (total,), 4, (2, 4), (128, 64), dtype, DEVICE)
+    check_against_reference(inputs, "triton", cu_seqlens=cu, causal=True)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (64, 64), (16, 32)], ids=["bm128", "bm64", "bm16x32"])
+def test_sparse_block_masks_against_reference(block):
+    batch, n, heads = 2, 1024, 4
+    bq, bk = block
+    shape = (batch, heads, -(-n // bq), -(-n // bk))
+    student = torch.rand(shape, device=DEVICE) < 0.1  # 90 % sparse, per head
+    teacher = student | (torch.rand(shape[2:], device=DEVICE) < 0.05)  # a wider teacher: some rows uncovered
+    inputs = make_inputs((batch, n), (batch, n), heads, (2, 2), (64, 64), torch.bfloat16, DEVICE)
+    mask2 = BlockMask.from_dense(student, block)
+    # student's mask on both sides (finite KL everywhere), then a wider teacher (some +inf rows)
+    check_against_reference(inputs, "triton", mask1=mask2, mask2=mask2, causal=True)
+    check_against_reference(inputs, "triton", mask1=BlockMask.from_dense(teacher, block), mask2=mask2)
+
+
+def test_large_against_torch_backend_fp32():
+    """N = 16K, causal and GQA, float32: the triton and torch backends run the same algorithm."""
+    batch, n, heads = 1, 16384, 2
+    inputs = make_inputs((batch, n), (batch, n), heads, (1, 2), (64, 64), torch.float32, DEVICE)
+    upstream = torch.randn((batch, n, heads), device=DEVICE)
+    results = []
+    for backend in ("triton", "torch"):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out = streamkl.kl(*leaves, causal=True, reduction="none", backend=backend)
+        (out * upstream).sum().backward()
+        results.append((out.detach(), [t.grad for t in leaves]))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert rel_l2(out_a, out_b) <= 1e-5
+    for a, b in zip(grads_a, grads_b):
+        assert rel_l2(a, b) <= 1e-4
+
+
+def test_large_bf16_against_reference_subset_of_heads():
+    """N = 8K in bfloat16 against the float64 reference (2 heads: the reference is N x N)."""
+    inputs = make_inputs((1, 8192), (1, 8192), 2, (1, 1), (128, 128), torch.bfloat16, DEVICE)
+    check_against_reference(inputs, "triton", causal=True)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gradients_are_bitwise_reproducible(deterministic):
+    inputs = make_inputs((1, 4096), (1, 4096), 8, (2, 4), (128, 64), torch.bfloat16, DEVICE)
+    runs = []
+    for _ in range(3):
+        for t in inputs:
+            t.grad = None
+        streamkl.kl(*inputs, causal=True, deterministic=deterministic, backend="triton").backward()
+        runs.append([t.grad.clone() for t in inputs])
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
+
+
+def test_strided_inputs_take_no_copy():
+    """(B, H, N, D) tensors transposed to (B, N, H, D): same results as contiguous inputs."""
+    bhnd = [torch.randn(2, 4, 700, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
+    strided = [t.transpose(1, 2).requires_grad_() for t in (x.clone() for x in bhnd)]
+    contiguous = [t.detach().contiguous().requires_grad_() for t in strided]
+    a = streamkl.kl(*strided, causal=True, reduction="none", backend="triton")
+    b = streamkl.kl(*contiguous, causal=True, reduction="none", backend="triton")
+    assert torch.equal(a, b)
+    a.sum().backward()
+    b.sum().backward()
+    for s, c in zip(strided, contiguous):
+        assert torch.equal(s.grad, c.grad)
+
+
+def test_student_only_backward_leaves_teacher_alone():
+    q1, k1, q2, k2 = make_inputs((1, 2048), (1, 2048), 4, (4, 4), (128, 64), torch.bfloat16, DEVICE,
+                                 (False, False, True, True))
+    streamkl.kl(q1, k1, q2, k2, causal=True, backend="triton").backward()
+    assert q1.grad is None and k1.grad is None
+    assert torch.isfinite(q2.grad).all() and torch.isfinite(k2.grad).all()
