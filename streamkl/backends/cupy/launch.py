@@ -88,7 +88,13 @@ def _functions(input_code: int, device_index: int):
 @functools.lru_cache(maxsize=None)
 def shared_memory_limit(device: torch.device) -> int:
     """Largest dynamic shared memory a block may opt in to on this device."""
-    return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+    properties = torch.cuda.get_device_properties(device)
+    limit = getattr(properties, "shared_memory_per_block_optin", None)
+    if limit is None:  # older torch: ask CuPy
+        import cupy
+
+        limit = cupy.cuda.Device(device.index or 0).attributes["MaxSharedMemoryPerBlockOptin"]
+    return int(limit)
 
 
 def _launch(kernel: str, tiles: int, pairs: int, params: np.ndarray, problem: Problem) -> None:

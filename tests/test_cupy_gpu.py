@@ -1,0 +1,268 @@
+"""The CuPy backend's own tests: its CUDA sources compile (nvcc, when on PATH), its argument record
+matches the C struct, and on a GPU every SPEC feature matches the float64 reference.
+
+The GPU tests run with CuPy and a CUDA device; with STREAMKL_CUPY_EMULATE=1 and no GPU the
+smaller ones run the same kernels on the CPU emulator. The shared suite (test_kl.py,
+test_varlen.py, test_block_mask.py) covers the backend too: `pytest -k cupy`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import check_against_reference, make_inputs
+
+import streamkl
+from streamkl import BlockMask
+from streamkl.backends.cupy import CupyBackend, emulate
+from streamkl.backends.cupy.launch import SOURCE, params_dtype, shared_bytes
+from streamkl.reference import reference_kl
+from streamkl.varlen import cu_seqlens_from_lengths
+
+_REASONS = CupyBackend().environment_reasons()
+ON_GPU = not _REASONS and DEVICE == "cuda" and not emulate.emulating()
+EMULATED = not _REASONS and DEVICE == "cpu" and emulate.emulating()
+needs_backend = pytest.mark.skipif(not (ON_GPU or EMULATED), reason="; ".join(_REASONS) or "no CUDA GPU")
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CuPy and a CUDA GPU (too slow on the CPU emulator)")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+
+
+# ---------------------------------------------------------------------------------- no GPU needed
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("arch,code", [(80, 0), (80, 1), (80, 2), (90, 1)], ids=["sm80-fp32", "sm80-fp16",
+                                                                               "sm80-bf16", "sm90-fp16"])
+def test_kernels_compile_with_nvcc(arch, code, tmp_path):
+    result = subprocess.run(
+        ["nvcc", f"-arch=sm_{arch}", "-std=c++17", f"-DSTREAMKL_INPUT={code}", "-c", str(SOURCE),
+         "-o", str(tmp_path / "kernels.o")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_params_record_follows_the_struct():
+    record = params_dtype()
+    text = SOURCE.read_text()
+    for name in ("q1", "sched_partial", "mask2_k", "need_dk2", "batch_heads", "scale2"):
+        assert name in record.names and name in text
+    assert record.itemsize % 8 == 0
+    assert record.fields["q1"][1] == 0
+
+
+@pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the emulator")
+def test_emulator_sees_the_same_record():
+    assert emulate._library(0).emu_params_size() == params_dtype().itemsize
+
+
+def test_shared_memory_fits_hopper_at_the_largest_head_dim():
+    assert max(shared_bytes(256, 256).values()) <= 227 * 1024
+
+
+# ---------------------------------------------------------------------------------- against the reference
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_k: tuple[int, int]
+    dims: tuple[int, int]
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    gpu_only: bool = False
+
+    @property
+    def id(self) -> str:
+        text = (f"B{self.batch}-Nq{self.seqlen_q}-Nk{self.seqlen_k}-H{self.heads}-Hk{self.heads_k[0]}x"
+                f"{self.heads_k[1]}-D{self.dims[0]}x{self.dims[1]}")
+        if self.causal:
+            text += "-causal"
+        if self.window != (-1, -1):
+            text += f"-win{self.window[0]}_{self.window[1]}"
+        return text
+
+    def inputs(self, dtype, requires_grad=(True,) * 4):
+        return make_inputs((self.batch, self.seqlen_q), (self.batch, self.seqlen_k), self.heads, self.heads_k,
+                           self.dims, dtype, DEVICE, requires_grad)
+
+
+CASES = [
+    Case(2, 100, 300, 4, (2, 4), (64, 32)),
+    Case(1, 77, 77, 2, (1, 2), (32, 32), causal=True),
+    Case(2, 130, 50, 3, (3, 1), (16, 48), causal=True),  # Nq > Nk: first rows empty
+    Case(1, 90, 200, 2, (2, 2), (32, 16), window=(20, 7)),
+    Case(1, 120, 120, 4, (1, 2), (80, 96), causal=True, window=(33, -1)),
+    Case(1, 45, 170, 2, (2, 1), (96, 40), window=(-1, 30)),
+    Case(1, 33, 65, 1, (1, 1), (1, 7)),  # tiny head dims
+    Case(2, 300, 257, 4, (4, 2), (128, 64), causal=True, gpu_only=True),
+    Case(1, 200, 190, 2, (1, 2), (256, 256), gpu_only=True),  # the largest head dim
+    Case(1, 150, 150, 2, (2, 1), (200, 130), window=(40, 40), gpu_only=True),
+    Case(2, 1000, 1000, 4, (2, 2), (128, 64), causal=True, gpu_only=True),  # medium
+]
+
+
+def _case_params():
+    for case in CASES:
+        marks = [gpu_only] if case.gpu_only else []
+        yield pytest.param(case, id=case.id, marks=marks)
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", list(_case_params()))
+def test_dense_against_reference(case, dtype):
+    if EMULATED and dtype != torch.float32 and case.seqlen_q > 80:
+        pytest.skip("emulator: half precision on the small cases only")
+    check_against_reference(case.inputs(dtype), "cupy", causal=case.causal, window=case.window)
+
+
+@needs_backend
+@pytest.mark.parametrize("requires_grad", [(False, False, True, True), (True, False, False, False),
+                                           (False, True, False, True), (False, False, False, True)],
+                         ids=["student-only", "q1-only", "keys-only", "k2-only"])
+def test_partial_gradients(requires_grad):
+    case = Case(2, 70, 90, 4, (2, 1), (48, 32), causal=True)
+    check_against_reference(case.inputs(torch.float32, requires_grad), "cupy", causal=True)
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal=True, window=(20, -1))],
+                         ids=["dense", "causal", "causal-win20"])
+def test_varlen_with_empty_sequences(options, dtype):
+    if EMULATED and dtype != torch.float32:
+        pytest.skip("emulator: float32 only")
+    len_q, len_k = [37, 0, 100, 5, 64, 0], [50, 3, 0, 20, 77, 9]
+    cu_q, cu_k = cu_seqlens_from_lengths(len_q, DEVICE), cu_seqlens_from_lengths(len_k, DEVICE)
+    inputs = make_inputs((sum(len_q) + 6,), (sum(len_k) + 2,), 4, (2, 1), (40, 24), dtype, DEVICE)
+    out = check_against_reference(inputs, "cupy", cu_seqlens=cu_q, cu_seqlens_k=cu_k, **options)
+    end = int(cu_q[-1])
+    assert torch.equal(out[end:], torch.zeros_like(out[end:]))
+
+
+@needs_backend
+@pytest.mark.parametrize("sides", ["both", "side1", "side2", "different"])
+@pytest.mark.parametrize("blocks", [(16, 64), (128, 32)], ids=["b16x64", "b128x32"])
+def test_block_masks(sides, blocks):
+    batch, n_q, n_k, heads = 2, 150, 170, 4
+    bq, bk = blocks
+    shape = (batch, heads, -(-n_q // bq), -(-n_k // bk))
+    pattern = torch.rand(shape, device=DEVICE) < 0.5
+    pattern[..., 0] = True
+    other = pattern | (torch.rand(shape, device=DEVICE) < 0.3)
+    mask, wider = BlockMask.from_dense(pattern, blocks), BlockMask.from_dense(other, blocks)
+    masks = {"both": dict(mask1=mask, mask2=mask), "side1": dict(mask1=mask), "side2": dict(mask2=mask),
+             "different": dict(mask1=mask, mask2=wider)}[sides]
+    inputs = make_inputs((batch, n_q), (batch, n_k), heads, (2, 4), (32, 48), torch.float32, DEVICE)
+    out = check_against_reference(inputs, "cupy", causal=True, **masks)
+    if sides == "side2":  # a dense teacher against a sparse student: +inf rows exist
+        assert torch.isinf(out).any()
+
+
+@needs_backend
+def test_block_masks_varlen_half():
+    len_q = [70, 0, 130]
+    cu = cu_seqlens_from_lengths(len_q, DEVICE)
+    pattern = torch.rand(3, 1, 3, 5, device=DEVICE) < 0.6
+    pattern[..., 0] = True
+    mask = BlockMask.from_dense(pattern, (64, 32))
+    dtype = torch.float32 if EMULATED else torch.bfloat16
+    inputs = make_inputs((sum(len_q) + 3,), (sum(len_q) + 3,), 2, (1, 2), (64, 32), dtype, DEVICE)
+    check_against_reference(inputs, "cupy", cu_seqlens=cu, mask1=mask, mask2=mask, causal=True)
+
+
+# ---------------------------------------------------------------------------------- contract details
+@needs_backend
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+def test_gradients_are_bitwise_reproducible(deterministic):
+    case = Case(2, 130, 140, 4, (2, 1), (80, 24), causal=True, window=(50, -1))
+    inputs = case.inputs(torch.float16)
+    grads = []
+    for _ in range(2):
+        for t in inputs:
+            t.grad = None
+        streamkl.kl(*inputs, deterministic=deterministic, backend="cupy", causal=True, window=(50, -1)).backward()
+        grads.append([t.grad.clone() for t in inputs])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@needs_backend
+def test_strided_inputs_match_contiguous():
+    batch, n, heads, dim = 2, 90, 4, 40
+    base = [torch.randn(batch, heads, n, dim, device=DEVICE) for _ in range(4)]
+    strided = [b.clone().transpose(1, 2).requires_grad_() for b in base]
+    contiguous = [b.transpose(1, 2).contiguous().requires_grad_() for b in base]
+    a = streamkl.kl(*strided, reduction="none", causal=True, backend="cupy")
+    b = streamkl.kl(*contiguous, reduction="none", causal=True, backend="cupy")
+    assert torch.equal(a, b)
+    a.sum().backward()
+    b.sum().backward()
+    for s, c in zip(strided, contiguous):
+        assert torch.equal(s.grad, c.grad)
+
+
+@needs_backend
+def test_nearly_identical_distributions():
+    q1 = torch.randn(2, 150, 3, 32, device=DEVICE)
+    k1 = torch.randn(2, 150, 3, 32, device=DEVICE)
+    q2 = q1 + 1e-3 * torch.randn_like(q1)
+    for causal in (False, True):
+        out = streamkl.kl(q1, k1, q2, k1.clone(), reduction="none", causal=causal, backend="cupy")
+        ref, _, _ = reference_kl(q1.double(), k1.double(), q2.double(), k1.double(), causal=causal)
+        assert (out.double() - ref).abs().max().item() <= 1e-5
+
+
+@needs_backend
+def test_empty_rows_exact_zero_and_nan_propagates():
+    case = Case(1, 96, 40, 2, (1, 2), (32, 16), causal=True)
+    q1, k1, q2, k2 = case.inputs(torch.float32)
+    out, lse1, lse2 = streamkl.kl(q1, k1, q2, k2, reduction="none", return_lse=True, causal=True, backend="cupy")
+    assert torch.equal(out[:, :56], torch.zeros_like(out[:, :56]))
+    assert torch.isneginf(lse1[:, :, :56]).all() and torch.isneginf(lse2[:, :, :56]).all()
+    out.sum().backward()
+    assert torch.equal(q1.grad[:, :56], torch.zeros_like(q1.grad[:, :56]))
+    assert all(torch.isfinite(t.grad).all() for t in (q1, k1, q2, k2))
+    bad = q1.detach().clone()
+    bad[0, 70, 1, 0] = float("nan")
+    out = streamkl.kl(bad, k1, q2, k2, reduction="none", causal=True, backend="cupy")
+    assert torch.isnan(out[0, 70, 1]) and torch.isfinite(out[0, 71]).all()
+
+
+@gpu_only
+def test_runs_on_the_current_stream():
+    case = Case(2, 256, 256, 4, (4, 4), (64, 64), causal=True)
+    inputs = case.inputs(torch.float16)
+    expected = streamkl.kl(*inputs, reduction="none", causal=True, backend="cupy")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = streamkl.kl(*inputs, reduction="none", causal=True, backend="cupy")
+        out.sum().backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(out, expected)
+
+
+def test_refuses_oversized_head_dims():
+    reasons = CupyBackend().not_supported_reasons(_problem_with_dim(320))
+    assert reasons
+    if ON_GPU or EMULATED:  # otherwise the environment's reasons come first
+        assert any("at most 256" in r for r in reasons)
+
+
+def _problem_with_dim(dim):
+    from streamkl.problem import build_problem
+
+    q = torch.randn(1, 4, 1, dim, device=DEVICE)
+    return build_problem(q, q, q, q)
+
+
+def test_source_is_a_cu_file():
+    assert Path(SOURCE).suffix == ".cu" and Path(SOURCE).exists()
