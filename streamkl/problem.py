@@ -163,7 +163,9 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int) -> int:
     return _check_cu_seqlens_host(name, cu.detach().to("cpu", torch.int64), total)
 
 
-def _check_cu_seqlens_host(name: str, values: torch.Tensor, total: int, what: str = "packed length") -> int:
+def _check_cu_seqlens_host(
+    name: str, values: torch.Tensor, total: int, what: str = "packed length", note: str = ""
+) -> int:
     if int(values[0]) != 0:
         _fail(name, "a cumulative length table starting at 0", f"first entry {int(values[0])}")
     lengths = values[1:] - values[:-1]
@@ -175,7 +177,7 @@ def _check_cu_seqlens_host(name: str, values: torch.Tensor, total: int, what: st
             f"{int(values[first + 1])} after {int(values[first])} at index {first + 1}",
         )
     if int(values[-1]) > total:
-        _fail(name, f"at most the {what} {total} in its last entry", int(values[-1]))
+        _fail(name, f"at most the {what} {total} in its last entry{note}", int(values[-1]))
     return int(lengths.max()) if lengths.numel() > 0 else 0
 
 
@@ -214,7 +216,11 @@ def _side_mask(name: str, mask: object, batch: int, heads: int, seqlen_q: int, s
             + (" (max_seqlen x max_seqlen_k; blocks count from each sequence's start)" if varlen else ""),
             f"shape {(mb, mh, nbq, nbk)}",
         )
-    return SideMask(pattern=mask.to_dense(), block_q=bq, block_k=bk)
+    try:  # a mask built from compressed parts is checked when first expanded
+        pattern = mask.to_dense()
+    except ValueError as error:
+        _fail(name, "a valid BlockMask", error)
+    return SideMask(pattern=pattern, block_q=bq, block_k=bk)
 
 
 def build_problem(
@@ -303,7 +309,7 @@ def build_problem(
             longest_q = _check_cu_seqlens_host("cu_seqlens", values_q, total_q)
             if cu_k is cu_q:  # cu_seqlens also delimits the keys: it must fit k1's packed length too
                 longest_k = _check_cu_seqlens_host(
-                    "cu_seqlens", values_q, total_k, "packed key length (cu_seqlens_k defaults to cu_seqlens)"
+                    "cu_seqlens", values_q, total_k, "packed key length", " (cu_seqlens_k defaults to cu_seqlens)"
                 )
             else:
                 longest_k = check_cu_seqlens_values("cu_seqlens_k", cu_k, total_k)
