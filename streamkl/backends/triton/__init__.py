@@ -22,13 +22,17 @@ def _import_reason() -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _tile_sizes(dim1: int, dim2: int, mask_blocks: tuple, interpret: bool) -> tuple[int, int]:
+def _tile_sizes(dim1: int, dim2: int, itemsize: int, mask_blocks: tuple, interpret: bool) -> tuple[int, int]:
     """(block_q, block_k) of the schedule. Under the interpreter, larger tiles run faster (fewer
     Python-level steps over bigger NumPy blocks). On the GPU, tiles follow the block masks'
     granularity so the work stays proportional to the visited blocks."""
     if interpret:
         return 64, 64
-    block_q, block_k = (64, 32) if max(dim1, dim2) > 128 else (128, 64)
+    dim = max(dim1, dim2)
+    if itemsize == 4:  # full-float32 products run on the FMA units; smaller tiles fit shared memory
+        block_q, block_k = (32, 32) if dim > 128 else (64, 32) if dim > 64 else (64, 64)
+    else:
+        block_q, block_k = (64, 32) if dim > 128 else (128, 64)
     for mask_q, mask_k in mask_blocks:
         block_q, block_k = min(block_q, mask_q), min(block_k, mask_k)
     return block_q, block_k
@@ -72,7 +76,7 @@ class TritonBackend(Backend):
         from streamkl.backends.triton.common import interpreting
 
         masks = tuple((m.block_q, m.block_k) for m in (problem.mask1, problem.mask2) if m is not None)
-        return _tile_sizes(problem.dim1, problem.dim2, masks, interpreting())
+        return _tile_sizes(problem.dim1, problem.dim2, problem.dtype.itemsize, masks, interpreting())
 
     def forward(self, problem: Problem, q1, k1, q2, k2, schedule):
         from streamkl.backends.triton.forward import kl_forward

@@ -28,6 +28,7 @@ from streamkl.backends.triton.common import (
     group_sizes,
     head_strides,
     interpreting,
+    launch,
     log2_scales,
     mask_args,
     num_k_tiles,
@@ -117,7 +118,8 @@ def _kl_bwd_dq_kernel(
     USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
     IEEE: tl.constexpr, NEED_DQ1: tl.constexpr, NEED_DQ2: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
+    # last query tiles first: under causality they visit the most key tiles (less tail at the end)
+    pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     seq = pid_bh // heads
     head = pid_bh % heads
@@ -307,16 +309,18 @@ def bwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     block_d1, block_d2 = dim_blocks(problem)
     big = max(block_d1, block_d2) > 128
     rows = min(block_q, 32 if big else 64)
-    stages = pipeline_stages(block_k * (block_d1 + block_d2) * problem.dtype.itemsize)
+    row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
+    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes)
     return rows, 8 if big else 4, stages
 
 
-def dk_config(problem: Problem, block_q: int) -> tuple[int, int]:
+def dk_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
     """(num_warps, num_stages) of the dk kernel, which streams query tiles."""
     if interpreting():
         return 4, 1
     block_d1, block_d2 = dim_blocks(problem)
-    stages = pipeline_stages(block_q * (block_d1 + block_d2) * problem.dtype.itemsize, most=2)
+    row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
+    stages = pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2)
     return (4 if max(block_d1, block_d2) <= 64 else 8), stages
 
 
@@ -362,7 +366,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         rows, num_warps, num_stages = bwd_config(problem, block_q, block_k)
         sub_tiles = block_q // rows
         grid = (num_q_tiles(problem, block_q) * sub_tiles, problem.batch * problem.heads)
-        _kl_bwd_dq_kernel[grid](
+        args = (
             q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             placeholder if dq1 is None else dq1, placeholder if dq2 is None else dq2,
             cu_q, cu_k, schedule.kv_count, schedule.kv_index, schedule.kv_partial, mask1[0], mask2[0],
@@ -371,9 +375,10 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             *mask_tail,
             problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
             scale1, scale2, left, right, problem.dim1, problem.dim2,
-            SUB_TILES=sub_tiles, BLOCK_Q=rows, NEED_DQ1=needs[0], NEED_DQ2=needs[2], **flags,
-            num_warps=num_warps, num_stages=num_stages,
         )
+        constexprs = dict(SUB_TILES=sub_tiles, BLOCK_Q=rows, NEED_DQ1=needs[0], NEED_DQ2=needs[2], **flags)
+        launch(_kl_bwd_dq_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
+               **constexprs)
 
     if needs[1] or needs[3]:
         keys = get_key_schedule(schedule)
@@ -382,10 +387,10 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             launches = [(group1, True, False), (group2, False, True)]
         else:
             launches = [(group1 if needs[1] else group2, needs[1], needs[3])]
-        num_warps, num_stages = dk_config(problem, block_q)
+        num_warps, num_stages = dk_config(problem, block_q, block_k)
         for group_drive, need1, need2 in launches:
             grid = (num_k_tiles(problem, block_k), problem.batch * (problem.heads // group_drive))
-            _kl_bwd_dk_kernel[grid](
+            args = (
                 q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
                 dk1 if need1 else placeholder, dk2 if need2 else placeholder,
                 cu_q, cu_k, keys.q_count, keys.q_index, keys.q_partial, mask1[0], mask2[0],
@@ -394,8 +399,9 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
                 *mask_tail,
                 problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2, group_drive,
                 scale1, scale2, left, right, problem.dim1, problem.dim2,
-                BLOCK_Q=block_q, NEED_DK1=need1, NEED_DK2=need2, **flags,
-                num_warps=num_warps, num_stages=num_stages,
             )
+            constexprs = dict(BLOCK_Q=block_q, NEED_DK1=need1, NEED_DK2=need2, **flags)
+            launch(_kl_bwd_dk_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps,
+                   num_stages, **constexprs)
     return tuple(grads)
 

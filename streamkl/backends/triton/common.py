@@ -168,8 +168,28 @@ def num_k_tiles(problem: Problem, block_k: int) -> int:
     return max(math.ceil(problem.seqlen_k / block_k), 1)
 
 
-def pipeline_stages(bytes_per_step: int, budget: int = 128 * 1024, most: int = 3) -> int:
-    """Software-pipelining depth whose buffered loads fit in `budget` bytes of shared memory."""
+def pipeline_stages(step_bytes: int, resident_bytes: int, most: int = 3, budget: int = 160 * 1024) -> int:
+    """Software-pipelining depth: buffered loads of `step_bytes` each, next to the tile kept for the
+    whole loop (`resident_bytes`), within a shared-memory budget under the H100/H200's 227 KB."""
     if interpreting():
         return 1
-    return max(1, min(most, budget // max(bytes_per_step, 1)))
+    return max(1, min(most, (budget - resident_bytes) // max(step_bytes, 1)))
+
+
+_STAGES_THAT_FIT: dict = {}
+
+
+def launch(kernel, grid, args: tuple, config_key: tuple, num_warps: int, num_stages: int, **constexprs):
+    """Launch a kernel; if its shared memory does not fit, retry with a shallower pipeline, and
+    remember the depth that fits for this configuration."""
+    key = (kernel.fn.__name__, config_key, num_warps, num_stages)
+    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    while True:
+        try:
+            result = kernel[grid](*args, num_warps=num_warps, num_stages=stages, **constexprs)
+            _STAGES_THAT_FIT[key] = stages
+            return result
+        except triton.runtime.errors.OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1

@@ -18,6 +18,7 @@ from streamkl.backends.triton.common import (
     group_sizes,
     head_strides,
     interpreting,
+    launch,
     log2_scales,
     mask_args,
     num_q_tiles,
@@ -59,7 +60,8 @@ def _kl_fwd_kernel(
     USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
+    # last query tiles first: under causality they visit the most key tiles (less tail at the end)
+    pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     seq = pid_bh // heads
     head = pid_bh % heads
@@ -165,7 +167,8 @@ def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     block_d1, block_d2 = dim_blocks(problem)
     big = max(block_d1, block_d2) > 128
     rows = min(block_q, 64 if big else 128)
-    stages = pipeline_stages(block_k * (block_d1 + block_d2) * problem.dtype.itemsize)
+    row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize  # one query or key row, both sides
+    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes)
     return rows, 8 if rows >= 128 or big else 4, stages
 
 
@@ -192,7 +195,7 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     index_strides = broadcast_strides(schedule.kv_index)[:3]
     assert broadcast_strides(schedule.kv_partial)[:3] == index_strides
     grid = (num_q_tiles(problem, block_q) * sub_tiles, problem.batch * problem.heads)
-    _kl_fwd_kernel[grid](
+    args = (
         q1, k1, q2, k2,
         kl_rows, lse1, lse2, expect,
         cu_q, cu_k,
@@ -206,9 +209,12 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
         mask1[5], mask1[6], mask2[5], mask2[6],
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
         scale1, scale2, left, right, problem.dim1, problem.dim2,
+    )
+    constexprs = dict(
         SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2,
         USE_VARLEN=varlen, HAS_MASK1=problem.mask1 is not None, HAS_MASK2=problem.mask2 is not None,
         IEEE=problem.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
     )
+    launch(_kl_fwd_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
+           **constexprs)
     return kl_rows, lse1, lse2, expect
