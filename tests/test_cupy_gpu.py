@@ -36,13 +36,23 @@ DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
 # ---------------------------------------------------------------------------------- no GPU needed
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("arch,code", [(80, 0), (80, 1), (80, 2), (90, 1)], ids=["sm80-fp32", "sm80-fp16",
-                                                                               "sm80-bf16", "sm90-fp16"])
+@pytest.mark.parametrize(
+    "arch,code", [(80, 0), (80, 1), (80, 2), (90, 1)], ids=["sm80-fp32", "sm80-fp16", "sm80-bf16", "sm90-fp16"]
+)
 def test_kernels_compile_with_nvcc(arch, code, tmp_path):
     result = subprocess.run(
-        ["nvcc", f"-arch=sm_{arch}", "-std=c++17", f"-DSTREAMKL_INPUT={code}", "-c", str(SOURCE),
-         "-o", str(tmp_path / "kernels.o")],
-        capture_output=True, text=True,
+        [
+            "nvcc",
+            f"-arch=sm_{arch}",
+            "-std=c++17",
+            f"-DSTREAMKL_INPUT={code}",
+            "-c",
+            str(SOURCE),
+            "-o",
+            str(tmp_path / "kernels.o"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
 
@@ -80,8 +90,10 @@ class Case:
 
     @property
     def id(self) -> str:
-        text = (f"B{self.batch}-Nq{self.seqlen_q}-Nk{self.seqlen_k}-H{self.heads}-Hk{self.heads_k[0]}x"
-                f"{self.heads_k[1]}-D{self.dims[0]}x{self.dims[1]}")
+        text = (
+            f"B{self.batch}-Nq{self.seqlen_q}-Nk{self.seqlen_k}-H{self.heads}-Hk{self.heads_k[0]}x"
+            f"{self.heads_k[1]}-D{self.dims[0]}x{self.dims[1]}"
+        )
         if self.causal:
             text += "-causal"
         if self.window != (-1, -1):
@@ -89,8 +101,16 @@ class Case:
         return text
 
     def inputs(self, dtype, requires_grad=(True,) * 4):
-        return make_inputs((self.batch, self.seqlen_q), (self.batch, self.seqlen_k), self.heads, self.heads_k,
-                           self.dims, dtype, DEVICE, requires_grad)
+        return make_inputs(
+            (self.batch, self.seqlen_q),
+            (self.batch, self.seqlen_k),
+            self.heads,
+            self.heads_k,
+            self.dims,
+            dtype,
+            DEVICE,
+            requires_grad,
+        )
 
 
 CASES = [
@@ -124,9 +144,11 @@ def test_dense_against_reference(case, dtype):
 
 
 @needs_backend
-@pytest.mark.parametrize("requires_grad", [(False, False, True, True), (True, False, False, False),
-                                           (False, True, False, True), (False, False, False, True)],
-                         ids=["student-only", "q1-only", "keys-only", "k2-only"])
+@pytest.mark.parametrize(
+    "requires_grad",
+    [(False, False, True, True), (True, False, False, False), (False, True, False, True), (False, False, False, True)],
+    ids=["student-only", "q1-only", "keys-only", "k2-only"],
+)
 def test_partial_gradients(requires_grad):
     case = Case(2, 70, 90, 4, (2, 1), (48, 32), causal=True)
     check_against_reference(case.inputs(torch.float32, requires_grad), "cupy", causal=True)
@@ -134,8 +156,9 @@ def test_partial_gradients(requires_grad):
 
 @needs_backend
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal=True, window=(20, -1))],
-                         ids=["dense", "causal", "causal-win20"])
+@pytest.mark.parametrize(
+    "options", [dict(), dict(causal=True), dict(causal=True, window=(20, -1))], ids=["dense", "causal", "causal-win20"]
+)
 def test_varlen_with_empty_sequences(options, dtype):
     if EMULATED and dtype != torch.float32:
         pytest.skip("emulator: float32 only")
@@ -158,8 +181,12 @@ def test_block_masks(sides, blocks):
     pattern[..., 0] = True
     other = pattern | (torch.rand(shape, device=DEVICE) < 0.3)
     mask, wider = BlockMask.from_dense(pattern, blocks), BlockMask.from_dense(other, blocks)
-    masks = {"both": dict(mask1=mask, mask2=mask), "side1": dict(mask1=mask), "side2": dict(mask2=mask),
-             "different": dict(mask1=mask, mask2=wider)}[sides]
+    masks = {
+        "both": dict(mask1=mask, mask2=mask),
+        "side1": dict(mask1=mask),
+        "side2": dict(mask2=mask),
+        "different": dict(mask1=mask, mask2=wider),
+    }[sides]
     inputs = make_inputs((batch, n_q), (batch, n_k), heads, (2, 4), (32, 48), torch.float32, DEVICE)
     out = check_against_reference(inputs, "cupy", causal=True, **masks)
     if sides == "side2":  # a dense teacher against a sparse student: +inf rows exist

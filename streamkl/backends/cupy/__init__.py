@@ -50,7 +50,9 @@ class CupyBackend(Backend):
 
         if emulate.emulating():
             if problem.device.type != "cpu":
-                reasons.append(f"inputs are on {problem.device}; the CPU emulator ({emulate.ENV_VAR}=1) takes CPU tensors")
+                reasons.append(
+                    f"inputs are on {problem.device}; the CPU emulator ({emulate.ENV_VAR}=1) takes CPU tensors"
+                )
         elif problem.device.type != "cuda":
             reasons.append(f"inputs are on {problem.device}, not on a CUDA device")
         for side, dim in ((1, problem.dim1), (2, problem.dim2)):

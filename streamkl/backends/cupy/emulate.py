@@ -33,12 +33,15 @@ def compiler() -> str | None:
 
 
 def reasons() -> list[str]:
+    missing = [name for name in _SOURCES if not (_HERE / name).exists()]
+    if missing:  # the emulator's host files ship with the sources, not with every install
+        return [f"{ENV_VAR}=1 needs {', '.join(missing)} next to {__file__}"]
     if compiler() is None:
         return [f"{ENV_VAR}=1 needs a C++20 compiler (g++ or $CXX) to run the kernels on the CPU"]
     return []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _library(input_code: int) -> ctypes.CDLL:
     digest = hashlib.sha256()
     for name in _SOURCES:
@@ -50,8 +53,17 @@ def _library(input_code: int) -> ctypes.CDLL:
     if not target.exists():
         partial = target.with_suffix(f".{os.getpid()}.tmp")
         command = [
-            compiler(), "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-            f"-DSTREAMKL_INPUT={input_code}", str(_HERE / "emulate.cpp"), "-o", str(partial),
+            compiler(),
+            "-std=c++20",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-Wno-unknown-pragmas",
+            f"-DSTREAMKL_INPUT={input_code}",
+            str(_HERE / "emulate.cpp"),
+            "-o",
+            str(partial),
         ]
         subprocess.run(command, check=True, capture_output=True, text=True)
         partial.replace(target)

@@ -69,23 +69,24 @@ def shared_bytes(dim1: int, dim2: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------- compile, launch
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _functions(input_code: int, device_index: int):
     """The three kernels for one input dtype on one device, compiled once (NVRTC, no headers)."""
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(
-            code=SOURCE.read_text(), options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}")
-        )
-        functions = {name: module.get_function(name) for name in KERNELS}
+        module = cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"))
+        try:
+            functions = {name: module.get_function(name) for name in KERNELS}
+        except Exception as exc:
+            raise RuntimeError(f"streamkl cupy backend: compiling {SOURCE.name} failed: {exc}") from exc
         limit = shared_memory_limit(torch.device("cuda", device_index))
         for function in functions.values():
             function.max_dynamic_shared_size_bytes = limit
     return functions
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shared_memory_limit(device: torch.device) -> int:
     """Largest dynamic shared memory a block may opt in to on this device."""
     properties = torch.cuda.get_device_properties(device)
@@ -112,9 +113,42 @@ def _launch(kernel: str, tiles: int, pairs: int, params: np.ndarray, problem: Pr
     device = problem.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     function = _functions(code, index)[kernel]
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, index)
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, index)
     with cupy.cuda.Device(index):
         function(grid, (THREADS,), (params,), shared_mem=smem, stream=stream)
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle seen through the CUDA stream protocol."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+_STREAMS: dict[tuple[int, int], object] = {}
+
+
+def _cupy_stream(handle: int, device_index: int):
+    """A CuPy view of torch's stream (wrappers only, cached: CuPy never owns the stream)."""
+    key = (handle, device_index)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        import cupy
+
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            stream = from_external(_StreamHandle(handle))
+        else:  # CuPy < 14
+            stream = cupy.cuda.ExternalStream(handle, device_index)
+        if len(_STREAMS) > 64:
+            _STREAMS.clear()
+        _STREAMS[key] = stream
+    return stream
 
 
 # ---------------------------------------------------------------------------------- argument packing
@@ -228,8 +262,9 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     _check_schedule(schedule)
     tensors = (q1, k1, q2, k2)
     # float32 accumulators; rows no block owns (never visited, past cu_seqlens[-1]) stay 0
-    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if need else None
-             for t, need in zip(tensors, needs)]
+    grads = [
+        torch.zeros(t.shape, dtype=torch.float32, device=t.device) if need else None for t, need in zip(tensors, needs)
+    ]
     if not any(needs) or q1.numel() == 0 or k1.numel() == 0:
         return tuple(None if g is None else g.to(problem.dtype) for g in grads)
     varlen = problem.is_varlen
