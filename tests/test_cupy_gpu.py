@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import check_against_reference, make_inputs
+from helpers import check_against_reference, make_inputs, rel_l2
 
 import streamkl
 from streamkl import BlockMask
@@ -293,3 +293,39 @@ def _problem_with_dim(dim):
 
 def test_source_is_a_cu_file():
     assert Path(SOURCE).suffix == ".cu" and Path(SOURCE).exists()
+
+
+@gpu_only
+def test_large_shape_matches_the_torch_backend():
+    """Long sequences (many tiles, large offsets): the same numbers as the chunked torch backend."""
+    case = Case(2, 3000, 2900, 8, (2, 4), (128, 64), causal=True)
+    inputs = case.inputs(torch.bfloat16)
+    out = streamkl.kl(*inputs, reduction="none", causal=True, backend="cupy")
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    expected = streamkl.kl(*leaves, reduction="none", causal=True, backend="torch")
+    assert rel_l2(out, expected) <= 1e-4
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad((out * upstream).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), leaves)
+    for g, e in zip(grads, expected_grads):
+        assert rel_l2(g.float(), e.float()) <= 1e-2
+
+
+@gpu_only
+def test_more_sequence_heads_than_one_grid_dimension():
+    """batch * heads > 65535 spills into grid.z."""
+    q1, k1, q2, k2 = make_inputs((1, 3), (1, 5), 70000, (70000, 35000), (4, 8), torch.float32, DEVICE)
+    check_against_reference([q1, k1, q2, k2], "cupy")
+
+
+@gpu_only
+def test_cuda_graph_capture():
+    case = Case(2, 200, 200, 4, (2, 2), (64, 32), causal=True)
+    inputs = case.inputs(torch.float16, (False,) * 4)
+    expected = streamkl.kl(*inputs, reduction="none", causal=True, backend="cupy")  # warm-up: compile, schedule
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = streamkl.kl(*inputs, reduction="none", causal=True, backend="cupy")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
