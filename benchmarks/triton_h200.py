@@ -114,12 +114,71 @@ def measure(provider, mode, batch, n, heads, dim, dtype, causal):
     return row
 
 
+def _meta(shape: dict) -> dict:
+    return dict(
+        command="python benchmarks/triton_h200.py " + " ".join(sys.argv[1:]),
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        shape=shape,
+    )
+
+
+def split_k_rows(out: Path, meta: dict):
+    """Forward of few queries against many keys (chunked prefill / decode-like): split-K on and off."""
+    from streamkl.backends.triton import forward
+
+    rows = []
+    heads, dim, dtype = 16, 128, torch.bfloat16
+    for nq, nk in ((128, 131072), (1024, 131072)):
+        inputs = [torch.randn(1, n, heads, dim, device="cuda", dtype=dtype) for n in (nq, nk, nq, nk)]
+        value = torch.randn(1, heads, nk, dim, device="cuda", dtype=dtype)
+        for label, override in (("split-K (heuristic)", None), ("no split", 1)):
+            forward.SPLIT_OVERRIDE = override
+            fn = lambda inputs=inputs: streamkl.kl(*inputs, causal=True, backend="triton")  # noqa: E731
+            fn()
+            rows.append(dict(nq=nq, nk=nk, provider="streamkl " + label,
+                             ms=do_bench(fn, warmup=25, rep=200, return_mode="median")))
+        forward.SPLIT_OVERRIDE = None
+        q, k = inputs[0].transpose(1, 2), inputs[1].transpose(1, 2)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa(q=q, k=k, value=value):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, value, is_causal=False)
+
+        rows.append(dict(nq=nq, nk=nk, provider="sdpa flash (one attention)",
+                         ms=do_bench(sdpa, warmup=25, rep=200, return_mode="median")))
+        for r in rows[-3:]:
+            print(json.dumps(r), flush=True)
+    (out / "triton_h200_splitk.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [
+        "# streamkl Triton forward: split-K for few queries against long keys",
+        "",
+        f"- command: `{meta['command']}`; GPU: {meta['gpu']}; torch {meta['torch']}; triton {meta['triton']};"
+        f" {meta['date']}",
+        f"- B=1, H={heads}, D={dim}, bf16, causal (bottom-right: every query sees ~all keys); median ms",
+        "",
+        "| Nq | Nk | provider | ms |",
+        "|---|---|---|---|",
+    ] + [f"| {r['nq']} | {r['nk']} | {r['provider']} | {r['ms']:.3f} |" for r in rows]
+    (out / "triton_h200_splitk.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sizes", default=None, help="comma-separated N values")
+    parser.add_argument("--split-k", action="store_true", help="only the split-K forward comparison")
     args = parser.parse_args()
+    if args.split_k:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        split_k_rows(out, _meta(dict(batch=1, heads=16, dim=128, dtype="bfloat16")))
+        return
     batch, heads, dim, dtype = 1, 16, 128, torch.bfloat16
     sizes = [1024] if args.quick else [4096, 16384]
     if args.sizes:
@@ -133,14 +192,7 @@ def main():
                     if row is not None:
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-    meta = dict(
-        command="python benchmarks/triton_h200.py " + " ".join(sys.argv[1:]),
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        shape=dict(batch=batch, heads=heads, dim=dim, dtype=str(dtype).replace("torch.", "")),
-    )
+    meta = _meta(dict(batch=batch, heads=heads, dim=dim, dtype=str(dtype).replace("torch.", "")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "triton_h200.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -120,3 +120,39 @@ def test_student_only_backward_leaves_teacher_alone():
     streamkl.kl(q1, k1, q2, k2, causal=True, backend="triton").backward()
     assert q1.grad is None and k1.grad is None
     assert torch.isfinite(q2.grad).all() and torch.isfinite(k2.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_split_k_forward_few_queries_long_keys(dtype):
+    """128 queries against 64K keys: the forward splits each key list (split-K) and merges the
+    slices' statistics; checked against the reference, and against the unsplit kernel."""
+    from streamkl.backends.triton import forward
+
+    inputs = make_inputs((1, 128), (1, 65536), 2, (1, 2), (128, 64), dtype, DEVICE)
+    problem_grid = 1 * 2  # one query tile, two heads: far fewer programs than multiprocessors
+    assert forward.split_count(_problem(inputs), problem_grid, 1024) > 1
+    check_against_reference(inputs, "triton", causal=True)
+    split = streamkl.kl(*inputs, causal=True, reduction="none", backend="triton")
+    forward.SPLIT_OVERRIDE = 1
+    try:
+        whole = streamkl.kl(*inputs, causal=True, reduction="none", backend="triton")
+    finally:
+        forward.SPLIT_OVERRIDE = None
+    assert rel_l2(split, whole) <= (1e-6 if dtype == torch.float32 else 1e-5)
+
+
+def test_split_k_varlen_and_masks():
+    lengths_q, lengths_k = [64, 0, 100], [30000, 500, 20000]
+    cu_q = torch.tensor([0, 64, 64, 164], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 30000, 30500, 50500], dtype=torch.int32, device=DEVICE)
+    assert sum(lengths_q) == 164 and sum(lengths_k) == 50500
+    inputs = make_inputs((170,), (50500,), 4, (2, 4), (64, 64), torch.bfloat16, DEVICE)
+    pattern = torch.rand(3, 4, 1, -(-30000 // 128), device=DEVICE) < 0.3
+    mask = BlockMask.from_dense(pattern, (128, 128))
+    check_against_reference(inputs, "triton", cu_seqlens=cu_q, cu_seqlens_k=cu_k, mask1=mask, mask2=mask, causal=True)
+
+
+def _problem(inputs):
+    from streamkl.problem import build_problem
+
+    return build_problem(*inputs)

@@ -3,12 +3,15 @@ tiles once and keeping the SPEC's five running statistics per row, plus the unco
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from streamkl.backends.base import new_outputs, write_tail_rows
 from streamkl.backends.triton.common import (
+    LN2,
     LN2_K,
     _dot,
     _side_allowed,
@@ -36,6 +39,7 @@ from streamkl.sparse.schedule import TileSchedule
 def _kl_fwd_kernel(
     Q1, K1, Q2, K2,
     KL, LSE1, LSE2, EXPECT,
+    PARTS,  # split-K only: raw statistics [6, splits, *lse shape], laid out like lse per (stat, split)
     CU_Q, CU_K,
     KV_COUNT, KV_INDEX, KV_PARTIAL,
     MASK1, MASK2,
@@ -54,11 +58,12 @@ def _kl_fwd_kernel(
     scale1, scale2,  # scale * log2(e)
     window_left, window_right,
     dim1, dim2,
+    visits_per_split, stride_part_stat, stride_part_split,
     SUB_TILES: tl.constexpr,  # programs per schedule query tile
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # last query tiles first: under causality they visit the most key tiles (less tail at the end)
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -108,7 +113,11 @@ def _kl_fwd_kernel(
     b_uncovered = tl.zeros([BLOCK_Q], tl.int32)
 
     n_visit = tl.load(p_count)
-    for visit in range(0, n_visit):
+    first_visit = 0
+    if SPLIT:  # this program streams one slice of the key-tile list; a combine step merges slices
+        first_visit = tl.program_id(2) * visits_per_split
+        n_visit = tl.minimum(n_visit, first_visit + visits_per_split)
+    for visit in range(first_visit, n_visit):
         k_tile = tl.load(p_index + visit)
         partial = tl.load(p_partial + visit)
         o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -143,21 +152,30 @@ def _kl_fwd_kernel(
         b_m1 = b_m1_new
         b_m2 = b_m2_new
 
-    # finalize (SPEC 4), back to natural logs; large terms cancelled first: m1 - m2, log l1 - log l2
-    m_empty1 = b_l1 == 0.0
-    b_lse1 = (b_m1 + tl.log2(b_l1)) * LN2_K
-    b_lse2 = (b_m2 + tl.log2(b_l2)) * LN2_K
-    b_expect = tl.where(m_empty1, 0.0, b_acc / tl.where(m_empty1, 1.0, b_l1)) * LN2_K
-    b_kl = b_expect - ((b_m1 - b_m2) + tl.log2(b_l1) - tl.log2(b_l2)) * LN2_K
-    m_uncovered = (b_uncovered != 0) | (~m_empty1 & (b_l2 == 0.0))
-    b_kl = tl.where(m_uncovered, float("inf"), b_kl)  # E stays finite: the backward needs it
-    b_kl = tl.where(m_empty1, 0.0, b_kl)
-
-    tl.store(KL + seq64 * stride_klb + o_rows * stride_kln + head * stride_klh, b_kl, mask=m_i)
     o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
-    tl.store(LSE1 + o_stat, b_lse1, mask=m_i)
-    tl.store(LSE2 + o_stat, b_lse2, mask=m_i)
-    tl.store(EXPECT + o_stat, b_expect, mask=m_i)
+    if SPLIT:
+        p_parts = PARTS + tl.program_id(2) * stride_part_split + o_stat
+        tl.store(p_parts, b_m1, mask=m_i)
+        tl.store(p_parts + stride_part_stat, b_l1, mask=m_i)
+        tl.store(p_parts + 2 * stride_part_stat, b_m2, mask=m_i)
+        tl.store(p_parts + 3 * stride_part_stat, b_l2, mask=m_i)
+        tl.store(p_parts + 4 * stride_part_stat, b_acc, mask=m_i)
+        tl.store(p_parts + 5 * stride_part_stat, b_uncovered.to(tl.float32), mask=m_i)
+    else:
+        # finalize (SPEC 4), back to natural logs; large terms cancelled first: m1 - m2, log l1 - log l2
+        m_empty1 = b_l1 == 0.0
+        b_lse1 = (b_m1 + tl.log2(b_l1)) * LN2_K
+        b_lse2 = (b_m2 + tl.log2(b_l2)) * LN2_K
+        b_expect = tl.where(m_empty1, 0.0, b_acc / tl.where(m_empty1, 1.0, b_l1)) * LN2_K
+        b_kl = b_expect - ((b_m1 - b_m2) + tl.log2(b_l1) - tl.log2(b_l2)) * LN2_K
+        m_uncovered = (b_uncovered != 0) | (~m_empty1 & (b_l2 == 0.0))
+        b_kl = tl.where(m_uncovered, float("inf"), b_kl)  # E stays finite: the backward needs it
+        b_kl = tl.where(m_empty1, 0.0, b_kl)
+
+        tl.store(KL + seq64 * stride_klb + o_rows * stride_kln + head * stride_klh, b_kl, mask=m_i)
+        tl.store(LSE1 + o_stat, b_lse1, mask=m_i)
+        tl.store(LSE2 + o_stat, b_lse2, mask=m_i)
+        tl.store(EXPECT + o_stat, b_expect, mask=m_i)
 
 
 def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, int]:
@@ -195,9 +213,17 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     index_strides = broadcast_strides(schedule.kv_index)[:3]
     assert broadcast_strides(schedule.kv_partial)[:3] == index_strides
     grid = (num_q_tiles(problem, block_q) * sub_tiles, problem.batch * problem.heads)
+    splits = split_count(problem, grid[0] * grid[1], schedule.num_k_tiles)
+    visits_per_split = triton.cdiv(schedule.num_k_tiles, splits)
+    splits = triton.cdiv(schedule.num_k_tiles, visits_per_split)  # no split left without visits
+    parts = lse1  # unused placeholder unless split
+    if splits > 1:
+        grid = (*grid, splits)
+        parts = torch.empty((6, splits, *problem.lse_shape), dtype=torch.float32, device=lse1.device)
     args = (
         q1, k1, q2, k2,
         kl_rows, lse1, lse2, expect,
+        parts,
         cu_q, cu_k,
         schedule.kv_count, schedule.kv_index, schedule.kv_partial,
         mask1[0], mask2[0],
@@ -209,12 +235,62 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
         mask1[5], mask1[6], mask2[5], mask2[6],
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
         scale1, scale2, left, right, problem.dim1, problem.dim2,
+        visits_per_split, parts.stride(0) if splits > 1 else 0, parts.stride(1) if splits > 1 else 0,
     )
     constexprs = dict(
         SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2,
         USE_VARLEN=varlen, HAS_MASK1=problem.mask1 is not None, HAS_MASK2=problem.mask2 is not None,
-        IEEE=problem.dtype == torch.float32,
+        IEEE=problem.dtype == torch.float32, SPLIT=splits > 1,
     )
     launch(_kl_fwd_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
            **constexprs)
+    if splits > 1:
+        combine_splits(problem, parts, kl_rows, lse1, lse2, expect)
+        write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # the combine wrote the tail rows too
     return kl_rows, lse1, lse2, expect
+
+
+# ---------------------------------------------------------------------------------- split-K
+#: Tests set this to force a number of key splits (the heuristic splits only small grids on a GPU).
+SPLIT_OVERRIDE: int | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_count(problem: Problem, programs: int, num_k_tiles: int) -> int:
+    """How many slices to cut each key-tile list into: > 1 only when the grid of query tiles is too
+    small to fill the GPU (few query tiles against many keys), never below 4 tiles a slice."""
+    if SPLIT_OVERRIDE is not None:
+        return max(1, min(SPLIT_OVERRIDE, num_k_tiles))
+    if interpreting() or problem.device.type != "cuda":
+        return 1
+    sms = _multiprocessors(problem.device.index if problem.device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), num_k_tiles // 4, 64))
+
+
+def combine_splits(problem: Problem, parts: torch.Tensor, kl_rows, lse1, lse2, expect) -> None:
+    """Merge the slices' raw statistics exactly (online-softmax rescaling, log2 units), finalize
+    with the SPEC's edge rules and write the outputs in place. Torch ops on the device, no sync."""
+    m1, l1, m2, l2, acc, uncovered = parts.unbind(0)  # each [splits, *lse shape]
+    top1, top2 = m1.amax(0), m2.amax(0)
+    shift1 = torch.where(top1 == float("-inf"), 0.0, top1)
+    shift2 = torch.where(top2 == float("-inf"), 0.0, top2)
+    weight1 = torch.exp2(m1 - shift1)  # a slice without keys (max -inf) weighs 0
+    l1 = (l1 * weight1).sum(0)
+    acc = (acc * weight1).sum(0)
+    l2 = (l2 * torch.exp2(m2 - shift2)).sum(0)
+    empty1 = l1 == 0
+    lse1.copy_((top1 + torch.log2(l1)) * LN2)
+    lse2.copy_((top2 + torch.log2(l2)) * LN2)
+    e = torch.where(empty1, 0.0, acc / torch.where(empty1, 1.0, l1)) * LN2
+    expect.copy_(e)
+    kl = e - ((top1 - top2) + torch.log2(l1) - torch.log2(l2)) * LN2
+    uncovered = (uncovered.amax(0) != 0) | (~empty1 & (l2 == 0))
+    kl = torch.where(uncovered, float("inf"), kl)
+    kl = torch.where(empty1, 0.0, kl)
+    kl_rows.copy_(kl.transpose(0, 1) if problem.is_varlen else kl.transpose(1, 2))
