@@ -164,6 +164,7 @@ def environment(argv) -> dict:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "load_average_at_start": list(os.getloadavg()),  # other jobs on the machine skew the times
         "torch": torch.__version__,
         "python": platform.python_version(),
         "streamkl": streamkl.__version__,
@@ -174,6 +175,10 @@ def environment(argv) -> dict:
 
 def _fmt(value, spec=".3f"):
     return "-" if value is None else format(value, spec)
+
+
+def _loads(values) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
 
 
 def _ratio(a, b):
@@ -208,6 +213,8 @@ def markdown(env: dict, results: list[dict]) -> str:
         f"- command: `{env['command']}`",
         f"- date: {env['date']}",
         f"- CPU: {env['cpu_model']}, {env['cpu_count']} cores, torch threads {env['torch_threads']}",
+        f"- load average (1, 5, 15 min) at start {_loads(env['load_average_at_start'])}, "
+        f"at end {_loads(env['load_average_at_end'])}",
         f"- torch {env['torch']}, python {env['python']}, streamkl {env['streamkl']}",
         f"- torch backend tiles: q_tile {env['torch_backend_tiles']['q_tile']}, "
         f"k_chunk {env['torch_backend_tiles']['k_chunk']}",
@@ -279,6 +286,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     results = rows_with_ratios(results)
+    env["load_average_at_end"] = list(os.getloadavg())
     report = markdown(env, results)
     print()
     print(report)
