@@ -173,6 +173,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sizes", default=None, help="comma-separated N values")
     parser.add_argument("--split-k", action="store_true", help="only the split-K forward comparison")
+    parser.add_argument("--providers", default="streamkl,sdpa,naive", help="comma-separated subset")
     args = parser.parse_args()
     if args.split_k:
         out = Path(args.out)
@@ -186,7 +187,7 @@ def main():
     rows = []
     for n in sizes:
         for causal in (False, True):
-            for provider in ("streamkl", "sdpa", "naive"):
+            for provider in args.providers.split(","):
                 for mode in GRADS:
                     row = measure(provider, mode, batch, n, heads, dim, dtype, causal)
                     if row is not None:

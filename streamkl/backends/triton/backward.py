@@ -111,16 +111,16 @@ def _kl_bwd_dq_kernel(
     seqlen_q, seqlen_k, heads, group1, group2,
     scale1, scale2,  # scale * log2(e)
     window_left, window_right,
-    dim1, dim2,
+    dim1, dim2, q_programs,
     SUB_TILES: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
     IEEE: tl.constexpr, NEED_DQ1: tl.constexpr, NEED_DQ2: tl.constexpr,
 ):
-    # last query tiles first: under causality they visit the most key tiles (less tail at the end)
-    pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # flat grid, query tiles fastest, last query tiles first (as in the forward)
+    pid_bh = tl.program_id(0) // q_programs
+    pid_q = q_programs - 1 - (tl.program_id(0) - pid_bh * q_programs)
     seq = pid_bh // heads
     head = pid_bh % heads
     tile = pid_q // SUB_TILES
@@ -217,7 +217,7 @@ def _kl_bwd_dk_kernel(
     seqlen_q, seqlen_k, heads, group1, group2, group_drive,
     scale1, scale2,  # scale * log2(e)
     window_left, window_right,
-    dim1, dim2,
+    dim1, dim2, k_programs,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
@@ -225,8 +225,8 @@ def _kl_bwd_dk_kernel(
 ):
     # one program per (key tile, sequence, key head of the driving side); it loops over the query
     # heads of that key head's group, so the GQA sum stays inside the program
-    pid_k = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0) // k_programs  # flat grid, key tiles fastest
+    pid_k = tl.program_id(0) - pid_bh * k_programs
     heads_k = heads // group_drive
     seq = pid_bh // heads_k
     head_k = pid_bh % heads_k
@@ -365,7 +365,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     if needs[0] or needs[2]:
         rows, num_warps, num_stages = bwd_config(problem, block_q, block_k)
         sub_tiles = block_q // rows
-        grid = (num_q_tiles(problem, block_q) * sub_tiles, problem.batch * problem.heads)
+        q_programs = num_q_tiles(problem, block_q) * sub_tiles
+        grid = (q_programs * problem.batch * problem.heads,)
         args = (
             q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             placeholder if dq1 is None else dq1, placeholder if dq2 is None else dq2,
@@ -374,7 +375,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             *broadcast_strides(schedule.kv_count), *broadcast_strides(schedule.kv_index)[:3],
             *mask_tail,
             problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
-            scale1, scale2, left, right, problem.dim1, problem.dim2,
+            scale1, scale2, left, right, problem.dim1, problem.dim2, q_programs,
         )
         constexprs = dict(SUB_TILES=sub_tiles, BLOCK_Q=rows, NEED_DQ1=needs[0], NEED_DQ2=needs[2], **flags)
         launch(_kl_bwd_dq_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
@@ -389,7 +390,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             launches = [(group1 if needs[1] else group2, needs[1], needs[3])]
         num_warps, num_stages = dk_config(problem, block_q, block_k)
         for group_drive, need1, need2 in launches:
-            grid = (num_k_tiles(problem, block_k), problem.batch * (problem.heads // group_drive))
+            k_programs = num_k_tiles(problem, block_k)
+            grid = (k_programs * problem.batch * (problem.heads // group_drive),)
             args = (
                 q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
                 dk1 if need1 else placeholder, dk2 if need2 else placeholder,
@@ -398,7 +400,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
                 *broadcast_strides(keys.q_count), *broadcast_strides(keys.q_index)[:3],
                 *mask_tail,
                 problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2, group_drive,
-                scale1, scale2, left, right, problem.dim1, problem.dim2,
+                scale1, scale2, left, right, problem.dim1, problem.dim2, k_programs,
             )
             constexprs = dict(BLOCK_Q=block_q, NEED_DK1=need1, NEED_DK2=need2, **flags)
             launch(_kl_bwd_dk_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps,

@@ -58,16 +58,17 @@ def _kl_fwd_kernel(
     scale1, scale2,  # scale * log2(e)
     window_left, window_right,
     dim1, dim2,
-    visits_per_split, stride_part_stat, stride_part_split,
+    q_programs, visits_per_split, stride_part_stat, stride_part_split,
     SUB_TILES: tl.constexpr,  # programs per schedule query tile
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
     IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # last query tiles first: under causality they visit the most key tiles (less tail at the end)
-    pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # one flat grid axis, query tiles fastest (no 65535 limit on sequences x heads); last query
+    # tiles first: under causality they visit the most key tiles (less tail at the end)
+    pid_bh = tl.program_id(0) // q_programs
+    pid_q = q_programs - 1 - (tl.program_id(0) - pid_bh * q_programs)
     seq = pid_bh // heads
     head = pid_bh % heads
     tile = pid_q // SUB_TILES  # the schedule's query tile
@@ -115,7 +116,7 @@ def _kl_fwd_kernel(
     n_visit = tl.load(p_count)
     first_visit = 0
     if SPLIT:  # this program streams one slice of the key-tile list; a combine step merges slices
-        first_visit = tl.program_id(2) * visits_per_split
+        first_visit = tl.program_id(1) * visits_per_split
         n_visit = tl.minimum(n_visit, first_visit + visits_per_split)
     for visit in range(first_visit, n_visit):
         k_tile = tl.load(p_index + visit)
@@ -154,7 +155,7 @@ def _kl_fwd_kernel(
 
     o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
     if SPLIT:
-        p_parts = PARTS + tl.program_id(2) * stride_part_split + o_stat
+        p_parts = PARTS + tl.program_id(1) * stride_part_split + o_stat
         tl.store(p_parts, b_m1, mask=m_i)
         tl.store(p_parts + stride_part_stat, b_l1, mask=m_i)
         tl.store(p_parts + 2 * stride_part_stat, b_m2, mask=m_i)
@@ -212,8 +213,9 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     count_strides = broadcast_strides(schedule.kv_count)
     index_strides = broadcast_strides(schedule.kv_index)[:3]
     assert broadcast_strides(schedule.kv_partial)[:3] == index_strides
-    grid = (num_q_tiles(problem, block_q) * sub_tiles, problem.batch * problem.heads)
-    splits = split_count(problem, grid[0] * grid[1], schedule.num_k_tiles)
+    q_programs = num_q_tiles(problem, block_q) * sub_tiles
+    grid = (q_programs * problem.batch * problem.heads,)
+    splits = split_count(problem, grid[0], schedule.num_k_tiles)
     visits_per_split = triton.cdiv(schedule.num_k_tiles, splits)
     splits = triton.cdiv(schedule.num_k_tiles, visits_per_split)  # no split left without visits
     parts = lse1  # unused placeholder unless split
@@ -235,7 +237,7 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
         mask1[5], mask1[6], mask2[5], mask2[6],
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
         scale1, scale2, left, right, problem.dim1, problem.dim2,
-        visits_per_split, parts.stride(0) if splits > 1 else 0, parts.stride(1) if splits > 1 else 0,
+        q_programs, visits_per_split, parts.stride(0) if splits > 1 else 0, parts.stride(1) if splits > 1 else 0,
     )
     constexprs = dict(
         SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2,
