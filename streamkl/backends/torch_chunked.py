@@ -7,6 +7,8 @@ than one (heads, query tile, key chunk) block of scores.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from streamkl.backends.base import Backend, lse_view, new_outputs, row_view, sequence_spans, write_tail_rows
@@ -17,9 +19,11 @@ NEG_INF = float("-inf")
 
 
 def element_allowed(problem: Problem, mask: SideMask | None, seq: int, rows, cols, len_q: int, len_k: int):
-    """Boolean [Hm, R, C]: keys `cols` allowed for query rows `rows` (sequence-local) on one side."""
+    """Boolean [Hm, R, C]: keys allowed for query rows `rows` (sequence-local) on one side.
+
+    `cols` is [C] (the same keys for every head) or [H, C] (each head its own keys)."""
     i = rows[:, None]
-    j = cols[None, :]
+    j = cols[..., None, :]  # [1, C] or [H, 1, C]
     offset = len_k - len_q
     allowed = (i < len_q) & (j < len_k)
     if problem.causal:
@@ -29,29 +33,65 @@ def element_allowed(problem: Problem, mask: SideMask | None, seq: int, rows, col
         allowed = allowed & (j >= i + offset - left)
     if right >= 0:
         allowed = allowed & (j <= i + offset + right)
-    allowed = allowed[None]
+    if allowed.dim() == 2:
+        allowed = allowed[None]
     if mask is not None:
         pattern = mask.pattern[seq if mask.pattern.shape[0] > 1 else 0]  # [Hm, nbq, nbk]
         block_rows = torch.clamp(rows // mask.block_q, max=pattern.shape[1] - 1)
         block_cols = torch.clamp(cols // mask.block_k, max=pattern.shape[2] - 1)
-        allowed = allowed & pattern[:, block_rows][:, :, block_cols]
+        by_row = pattern[:, block_rows]  # [Hm, R, nbk]
+        if cols.dim() == 1:
+            allowed = allowed & by_row[:, :, block_cols]
+        else:
+            heads, width = cols.shape
+            by_row = by_row.expand(heads, -1, -1)
+            index = block_cols[:, None, :].expand(heads, rows.numel(), width)
+            allowed = allowed & torch.gather(by_row, 2, index)
     return allowed
 
 
+@dataclass
+class _Chunk:
+    """A group of visited key tiles, processed as one block of scores.
+
+    cols: a slice (contiguous keys shared by all heads), a [C] index tensor (shared keys), or an
+    [H, C] index tensor (per-head keys of a per-head schedule, padded; `valid` marks real ones)."""
+
+    cols: slice | torch.Tensor
+    col_ids: torch.Tensor
+    needs_mask: bool
+    valid: torch.Tensor | None = None
+
+
 def _chunks(tiles: list[int], partial: list[int], block_k: int, len_k: int, max_tiles: int, device):
-    """Group a visited-tile list into key chunks: (slice or index tensor, any tile partial)."""
+    """Group a shared visited-tile list into key chunks."""
     for start in range(0, len(tiles), max_tiles):
         group = tiles[start : start + max_tiles]
         needs_mask = any(partial[start : start + max_tiles])
         first, last = group[0], group[-1]
         if last - first + 1 == len(group):  # contiguous tiles: a view, no gather
             cols = torch.arange(first * block_k, min((last + 1) * block_k, len_k), device=device)
-            yield slice(int(cols[0]), int(cols[-1]) + 1), cols, needs_mask
+            yield _Chunk(slice(int(cols[0]), int(cols[-1]) + 1), cols, needs_mask)
         else:
             cols = torch.cat(
                 [torch.arange(t * block_k, min((t + 1) * block_k, len_k), device=device) for t in group]
             )
-            yield cols, cols, needs_mask
+            yield _Chunk(cols, cols, needs_mask)
+
+
+def _per_head_chunks(count, index, block_k: int, len_k: int, max_tiles: int, device):
+    """Chunks of a per-head schedule row: every head gathers its own key tiles, padded to the
+    longest list, so all heads run in one batched product and work follows each head's sparsity."""
+    longest = int(count.max())
+    offsets = torch.arange(block_k, device=device)
+    for start in range(0, longest, max_tiles):
+        slots = torch.arange(start, min(start + max_tiles, longest))
+        tiles = index[:, slots].to(device=device, dtype=torch.int64)  # [H, S]
+        used = (slots[None, :] < count[:, None]).to(device)  # [H, S]
+        cols = (tiles[..., None] * block_k + offsets).flatten(1)  # [H, S * BK]
+        valid = (used[..., None] & (cols.view(*tiles.shape, block_k) < len_k)).flatten(1)
+        cols = torch.where(valid, cols, 0)
+        yield _Chunk(cols, cols, True, valid)
 
 
 class _Sides:
@@ -71,7 +111,13 @@ class _Sides:
             self.k.append(k_seq)
 
     def keys(self, side: int, cols) -> torch.Tensor:
-        return self.k[side][cols].transpose(0, 1).float()  # [hk, C, D]
+        """[hk, C, D] shared keys, or [H, C, D] when `cols` is a per-head [H, C] index."""
+        k = self.k[side]
+        if isinstance(cols, torch.Tensor) and cols.dim() == 2:
+            heads = cols.shape[0]
+            kv_head = torch.arange(heads, device=cols.device) // (heads // k.shape[1])
+            return k[cols, kv_head[:, None]].float()
+        return k[cols].transpose(0, 1).float()
 
     def scores(self, side: int, keys: torch.Tensor) -> torch.Tensor:
         """scale * q @ k^T for all selected heads at once: [h, R, C]."""
@@ -110,21 +156,23 @@ class TorchChunkedBackend(Backend):
             s = seq if per_seq else 0
             for tile in range((len_q + block_q - 1) // block_q):
                 rows = torch.arange(tile * block_q, min((tile + 1) * block_q, len_q), device=device)
-                for h in range(problem.heads) if per_head else [0]:
-                    n = int(count[s, h, tile])
-                    tiles = index[s, h, tile, :n].tolist()
-                    flags = partial[s, h, tile, :n].tolist()
+                if per_head:
+                    row = (count[s, :, tile], index[s, :, tile])
+                    chunks = list(_per_head_chunks(*row, block_k, len_k, max_tiles, device))
+                else:
+                    n = int(count[s, 0, tile])
+                    tiles = index[s, 0, tile, :n].tolist()
+                    flags = partial[s, 0, tile, :n].tolist()
                     chunks = list(_chunks(tiles, flags, block_k, len_k, max_tiles, device)) if n else []
-                    heads = slice(h, h + 1) if per_head else slice(None)
-                    yield seq, span, rows, heads, chunks
+                yield seq, span, rows, slice(None), chunks
 
-    def _masks(self, problem, seq, span, rows, cols, heads):
+    def _masks(self, problem, seq, span, rows, chunk: _Chunk):
         _, _, len_q, _, len_k = span
         out = []
         for mask in (problem.mask1, problem.mask2):
-            allowed = element_allowed(problem, mask, seq, rows, cols, len_q, len_k)
-            if allowed.shape[0] > 1:
-                allowed = allowed[heads]
+            allowed = element_allowed(problem, mask, seq, rows, chunk.col_ids, len_q, len_k)
+            if chunk.valid is not None:  # padding of per-head key lists
+                allowed = allowed & chunk.valid[:, None, :]
             out.append(allowed)
         return out
 
@@ -143,11 +191,11 @@ class TorchChunkedBackend(Backend):
             l2 = torch.zeros(shape, device=device)
             acc = torch.zeros(shape, device=device)
             uncovered = torch.zeros(shape, dtype=torch.bool, device=device)
-            for cols, col_ids, needs_mask in chunks:
-                s1 = sides.scores(0, sides.keys(0, cols))
-                s2 = sides.scores(1, sides.keys(1, cols))
-                if needs_mask:
-                    allowed1, allowed2 = self._masks(problem, seq, span, rows, col_ids, heads)
+            for chunk in chunks:
+                s1 = sides.scores(0, sides.keys(0, chunk.cols))
+                s2 = sides.scores(1, sides.keys(1, chunk.cols))
+                if chunk.needs_mask:
+                    allowed1, allowed2 = self._masks(problem, seq, span, rows, chunk)
                     s1 = s1.masked_fill(~allowed1, NEG_INF)
                     s2 = s2.masked_fill(~allowed2, NEG_INF)
                     uncovered |= (allowed1 & ~allowed2).any(-1)
@@ -183,6 +231,14 @@ class TorchChunkedBackend(Backend):
             for t, need in zip(tensors, needs)
         ]
         side_needed = (needs[0] or needs[1], needs[2] or needs[3])
+        # a per-head schedule accumulates dk per query head (no two heads add to one row: exact and
+        # deterministic), then sums each GQA group once at the end
+        per_head = schedule.kv_count.shape[1] > 1
+        per_head_dk = [
+            torch.zeros((*k.shape[:-2], problem.heads, k.shape[-1]), dtype=torch.float32, device=device)
+            if per_head and needs[2 * side + 1] else None
+            for side, k in ((0, k1), (1, k2))
+        ]
         for seq, span, rows, heads, chunks in self._walk(problem, schedule):
             if not chunks:
                 continue
@@ -198,12 +254,13 @@ class TorchChunkedBackend(Backend):
             row_lse2 = torch.where(row_lse2 == NEG_INF, float("inf"), row_lse2)
             dq_tile = [torch.zeros_like(sides.q[0]) if needs[0] else None, None,
                        torch.zeros_like(sides.q[1]) if needs[2] else None, None]
-            for cols, col_ids, needs_mask in chunks:
+            for chunk in chunks:
+                cols, needs_mask = chunk.cols, chunk.needs_mask
                 keys1, keys2 = sides.keys(0, cols), sides.keys(1, cols)
                 s1 = sides.scores(0, keys1)
                 s2 = sides.scores(1, keys2)
                 if needs_mask:
-                    allowed1, allowed2 = self._masks(problem, seq, span, rows, col_ids, heads)
+                    allowed1, allowed2 = self._masks(problem, seq, span, rows, chunk)
                     s1 = s1.masked_fill(~allowed1, NEG_INF)
                     s2 = s2.masked_fill(~allowed2, NEG_INF)
                 p = torch.exp(s1 - row_lse1)
@@ -231,6 +288,12 @@ class TorchChunkedBackend(Backend):
                         dk = torch.matmul(
                             ds.reshape(hk, (h // hk) * r, c).transpose(-1, -2), q.reshape(hk, (h // hk) * r, -1)
                         )  # [hk, C, D]: sums over the query heads sharing each key head
+                        if chunk.valid is not None:  # per-head keys: one row of dk per query head
+                            target = row_view(problem, per_head_dk[side], seq, k_start, len_k)
+                            heads_all = torch.arange(h, device=device)[:, None]
+                            flat = (cols * h + heads_all).flatten()
+                            target.view(-1, target.shape[-1]).index_add_(0, flat, dk.flatten(0, 1))
+                            continue
                         k_heads = _kv_heads(problem, heads, tensors[2 * side + 1].shape[-2])
                         target = row_view(problem, grads[2 * side + 1], seq, k_start, len_k)[:, k_heads]
                         if isinstance(cols, slice):
@@ -241,6 +304,11 @@ class TorchChunkedBackend(Backend):
                 if dq_tile[2 * side] is not None:
                     target = row_view(problem, grads[2 * side], seq, q_start, len_q)
                     target[row_slice, heads] += dq_tile[2 * side].transpose(0, 1)
+        for side, expanded in enumerate(per_head_dk):
+            if expanded is not None:
+                kv_heads = tensors[2 * side + 1].shape[-2]
+                grouped = expanded.unflatten(-2, (kv_heads, problem.heads // kv_heads))
+                grads[2 * side + 1] += grouped.sum(-2)
         return tuple(None if g is None else g.to(problem.dtype) for g in grads)
 
 
