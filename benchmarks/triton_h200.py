@@ -217,8 +217,8 @@ def main():
                 for r in rows:
                     if r["n"] == n and r["causal"] == causal and r["mode"] == mode:
                         cell[r["provider"]] = r
-                s, v = cell.get("streamkl", {}), cell.get("naive", {})
-                a = cell.get("sdpa") or {"ms": "-", "peak_mib": "-"}
+                absent = {"ms": "-", "peak_mib": "-", "tflops": "-"}  # provider not run (OOM is None)
+                s, a, v = (cell.get(name) or absent for name in ("streamkl", "sdpa", "naive"))
                 lines.append(
                     f"| {n} | {causal} | {mode} | {fmt(s.get('ms'), '.2f')} | {fmt(s.get('peak_mib'), '.0f')} | "
                     f"{fmt(s.get('tflops'), '.0f')} | "
