@@ -1,5 +1,15 @@
-"""Triton backend (NVIDIA Ampere and Hopper): fused forward and backward kernels walking the tile
-schedule. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (tests, CI)."""
+"""Triton backend (NVIDIA Ampere and Hopper): fused kernels walking the tile schedule.
+
+- forward.py: one program per (query tile, sequence, head) streams its key tiles once, keeping the
+  SPEC's five statistics per row; with few query tiles against long key lists (a small grid) the
+  lists are cut into slices (split-K) whose statistics are merged exactly afterwards.
+- backward.py: a query-major kernel for dq1, dq2 and a key-major kernel (over the transposed
+  schedule) for dk1, dk2, GQA sums inside the program. No atomics anywhere, so gradients are
+  bitwise reproducible whether or not `deterministic=True` is asked.
+- common.py: element masks, host-side argument packing, the launch helper.
+
+Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (tests, CI).
+"""
 
 from __future__ import annotations
 
