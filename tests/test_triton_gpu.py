@@ -1,5 +1,6 @@
 """The Triton backend on a real GPU, at real sizes: against the float64 reference where it fits,
-against the torch backend (float32) where it does not. Skipped without CUDA.
+against the torch backend (float32) where it does not. Skipped without CUDA, except the split-K
+merge test at the end, which also runs under TRITON_INTERPRET=1 on tiny shapes.
 
     python -m pytest -q tests/test_triton_gpu.py            # on the H200, through the device tool
 """
@@ -13,11 +14,12 @@ from helpers import check_against_reference, make_inputs, rel_l2
 import streamkl
 from streamkl.sparse.block_mask import BlockMask
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
 DEVICE = "cuda"
+
+
+def gpu(test):
+    """Real-GPU tests: skipped without CUDA (the interpreter runs the shared suite instead)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # (B, Nq, Nk, H, (H1k, H2k), (D1, D2), causal, window)
@@ -32,6 +34,7 @@ DENSE = {
 }
 
 
+@gpu
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("case", list(DENSE.values()), ids=list(DENSE))
 def test_dense_against_reference(case, dtype):
@@ -40,6 +43,7 @@ def test_dense_against_reference(case, dtype):
     check_against_reference(inputs, "triton", causal=causal, window=window)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_varlen_16_sequences_against_reference(dtype):
     lengths = [0, 1, 17, 64, 127, 128, 129, 300, 5, 0, 512, 250, 33, 1000, 2, 700]
@@ -49,6 +53,7 @@ def test_varlen_16_sequences_against_reference(dtype):
     check_against_reference(inputs, "triton", cu_seqlens=cu, causal=True)
 
 
+@gpu
 @pytest.mark.parametrize("block", [(128, 128), (64, 64), (16, 32)], ids=["bm128", "bm64", "bm16x32"])
 def test_sparse_block_masks_against_reference(block):
     batch, n, heads = 2, 1024, 4
@@ -63,6 +68,7 @@ def test_sparse_block_masks_against_reference(block):
     check_against_reference(inputs, "triton", mask1=BlockMask.from_dense(teacher, block), mask2=mask2)
 
 
+@gpu
 def test_large_against_torch_backend_fp32():
     """N = 16K, causal and GQA, float32: the triton and torch backends run the same algorithm."""
     batch, n, heads = 1, 16384, 2
@@ -80,12 +86,14 @@ def test_large_against_torch_backend_fp32():
         assert rel_l2(a, b) <= 1e-4
 
 
+@gpu
 def test_large_bf16_against_reference_subset_of_heads():
     """N = 8K in bfloat16 against the float64 reference (2 heads: the reference is N x N)."""
     inputs = make_inputs((1, 8192), (1, 8192), 2, (1, 1), (128, 128), torch.bfloat16, DEVICE)
     check_against_reference(inputs, "triton", causal=True)
 
 
+@gpu
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_gradients_are_bitwise_reproducible(deterministic):
     inputs = make_inputs((1, 4096), (1, 4096), 8, (2, 4), (128, 64), torch.bfloat16, DEVICE)
@@ -100,6 +108,7 @@ def test_gradients_are_bitwise_reproducible(deterministic):
             assert torch.equal(a, b)
 
 
+@gpu
 def test_strided_inputs_take_no_copy():
     """(B, H, N, D) tensors transposed to (B, N, H, D): same results as contiguous inputs."""
     bhnd = [torch.randn(2, 4, 700, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
@@ -114,6 +123,7 @@ def test_strided_inputs_take_no_copy():
         assert torch.equal(s.grad, c.grad)
 
 
+@gpu
 def test_student_only_backward_leaves_teacher_alone():
     q1, k1, q2, k2 = make_inputs((1, 2048), (1, 2048), 4, (4, 4), (128, 64), torch.bfloat16, DEVICE,
                                  (False, False, True, True))
@@ -122,6 +132,7 @@ def test_student_only_backward_leaves_teacher_alone():
     assert torch.isfinite(q2.grad).all() and torch.isfinite(k2.grad).all()
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_split_k_forward_few_queries_long_keys(dtype):
     """128 queries against 64K keys: the forward splits each key list (split-K) and merges the
@@ -141,6 +152,7 @@ def test_split_k_forward_few_queries_long_keys(dtype):
     assert rel_l2(split, whole) <= 1e-5  # same math, another summation order (fp32 gave 1.7e-6)
 
 
+@gpu
 def test_split_k_varlen_and_masks():
     lengths_q, lengths_k = [64, 0, 100], [30000, 500, 20000]
     cu_q = torch.tensor([0, 64, 64, 164], dtype=torch.int32, device=DEVICE)
@@ -158,6 +170,7 @@ def _problem(inputs):
     return build_problem(*inputs)
 
 
+@gpu
 def test_more_than_65535_sequence_head_pairs():
     """8200 sequences x 8 heads: the grids are flat, so no CUDA 65535 limit on (sequence, head)."""
     batch, n, heads = 8200, 5, 8
@@ -185,3 +198,21 @@ def test_more_than_65535_sequence_head_pairs():
     ref_grads = torch.autograd.grad((ref * upstream.double()).sum(), leaves)
     for g, rg in zip(grads, ref_grads):
         assert rel_l2(g, rg) <= 2e-2
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_k_merge_on_small_shapes(splits, monkeypatch):
+    """Forced split-K (any device; CPU under the interpreter): slices with and without keys,
+    partial tiles, empty and uncovered rows, varlen tail rows."""
+    from streamkl.backends.triton import forward
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(forward, "SPLIT_OVERRIDE", splits)
+    inputs = make_inputs((2, 70), (2, 300), 4, (2, 1), (32, 16), torch.float32, device)
+    pattern = torch.rand(2, 4, 5, 10, device=device) < 0.4
+    student = BlockMask.from_dense(pattern, (16, 32))
+    teacher = BlockMask.from_dense(pattern | (torch.rand(5, 10, device=device) < 0.2), (16, 32))
+    check_against_reference(inputs, "triton", causal=True, mask1=teacher, mask2=student)
+    cu = torch.tensor([0, 0, 37, 42, 106], dtype=torch.int32, device=device)
+    packed = make_inputs((110,), (110,), 4, (2, 4), (32, 32), torch.bfloat16, device)
+    check_against_reference(packed, "triton", cu_seqlens=cu, causal=True)
