@@ -1,7 +1,8 @@
 """Shared test setup: every backend runs the same suite, outputs are poisoned before each run.
 
 Without a CUDA GPU the Triton kernels run under TRITON_INTERPRET=1 (set here, before Triton is
-imported) on the small shapes of this suite; on the GPU they run for real.
+imported) and the CuPy kernels' CUDA C++ under a host emulator (STREAMKL_CUPY_EMULATE=1), on the
+small shapes of this suite; on the GPU they run for real.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the CuPy backend's CUDA C++ kernels run on a host emulator (streamkl/backends/cupy/emulate.py)
+    os.environ.setdefault("STREAMKL_CUPY_EMULATE", "1")
 
 import streamkl  # noqa: E402
 from streamkl.backends import base  # noqa: E402

@@ -248,6 +248,7 @@ def _snapshot(value):
 def _clean_env(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("STREAMKL_CUPY_EMULATE", raising=False)
 
 
 @pytest.fixture
