@@ -6,7 +6,7 @@ import torch
 
 from streamkl.autograd import pack_problem
 from streamkl.dispatch import choose_backend
-from streamkl.problem import REDUCTIONS, build_problem
+from streamkl.problem import build_problem, check_output_options
 
 NEG_INF = float("-inf")
 
@@ -38,10 +38,7 @@ def kl(
 
     Returns the reduced KL (float32), or `(kl, lse1, lse2)` when `return_lse`.
     """
-    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ValueError(f"streamkl.kl: `reduction` must be one of {REDUCTIONS}; got {reduction!r}.")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"streamkl.kl: `return_lse` must be a bool; got {type(return_lse).__name__}.")
+    check_output_options(reduction, return_lse)
     problem = build_problem(
         q1,
         k1,

@@ -97,6 +97,14 @@ def _fail(argument: str, expected: str, got: object, cls: type[Exception] = Valu
     raise cls(f"streamkl.kl: `{argument}` must be {expected}; got {got}.")
 
 
+def check_output_options(reduction: object, return_lse: object) -> None:
+    """The arguments that shape the output rather than the problem."""
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        _fail("reduction", f"one of {REDUCTIONS}", repr(reduction))
+    if not isinstance(return_lse, bool):
+        _fail("return_lse", "a bool", type(return_lse).__name__, TypeError)
+
+
 def _check_tensor(name: str, t: object, ndim: int, layout: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         _fail(name, f"a torch.Tensor of shape {layout}", type(t).__name__, TypeError)
