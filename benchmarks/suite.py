@@ -1,6 +1,6 @@
 """The benchmark suite (issue #5): every provider in one process, time and memory, JSON + markdown + plots.
 
-    python benchmarks/suite.py                          # the GPU run (~3 min, --max-seconds 180)
+    python benchmarks/suite.py                          # the GPU run (~3.5 min, --max-seconds 180)
     python benchmarks/suite.py --quick --device cpu     # smoke run: tiny N, torch backend + naive
     python benchmarks/suite.py --sections nsweep,sparsity --providers streamkl-triton,sdpa-flash
 
@@ -308,6 +308,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
         single = predicted is not None and predicted > args.single_call_ms and provider != "naive-compile"
         single = single or case["section"] == "long"
         elapsed = time.perf_counter() - _START
+        compile_s = args.compile_estimate_s if provider == "naive-compile" else 0.0
         oom_n = oom_at.get((provider, case["mode"], case["D"], case["layout"]))
         if provider == "sdpa-flash" and not args.device.startswith("cuda") and not args.sdpa_any:
             row["note"] = "n/a (CUDA only)"
@@ -317,7 +318,7 @@ def run_cases(cases: list[dict], args) -> list[dict]:
             row["note"] = f"skipped (OOM at N={oom_n})"
         elif predicted is not None and predicted > args.max_call_ms and case["section"] != "long":
             row["note"] = "skipped (slow)"
-        elif elapsed + (1.1 if single else 2.5) * (predicted or 0.0) / 1e3 > args.max_seconds:
+        elif elapsed + (1.1 if single else 2.5) * (predicted or 0.0) / 1e3 + compile_s > args.max_seconds:
             row["note"] = "skipped (time budget)"
         else:
             run, failed = None, False
@@ -416,8 +417,11 @@ def environment(args) -> dict:
         python=platform.python_version(),
         torch=torch.__version__,
         streamkl=getattr(streamkl, "__version__", None),
-        available_backends=list(streamkl.available_backends()),
     )
+    try:
+        env["available_backends"] = list(streamkl.available_backends())
+    except Exception as exc:  # noqa: BLE001
+        env["available_backends"] = f"{type(exc).__name__}: {exc}"
     for name in ("triton", "cupy"):
         try:
             env[name] = __import__(name).__version__
@@ -438,7 +442,8 @@ def _cell_mib(r):
     if r is None:
         return "-"
     if r.get("peak_bytes") is not None:
-        return f"{r['peak_bytes'] / MIB:.0f} ({r['extra_bytes_per_row_head']:.0f} B)"
+        mib = r["peak_bytes"] / MIB
+        return f"{mib:.{0 if mib >= 100 else 1}f} ({r['extra_bytes_per_row_head']:.0f} B)"
     return "n/a" if r.get("ms") is not None else _cell_ms(r)
 
 
@@ -580,12 +585,14 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rep-ms", type=float, default=None, help="timed calls fill this many ms (50; 5 quick)")
     parser.add_argument("--warmup-ms", type=float, default=None, help="untimed calls after the first (10; 0 quick)")
-    parser.add_argument("--max-seconds", type=float, default=190.0, help="skip cases that would run past this")
+    parser.add_argument("--max-seconds", type=float, default=180.0, help="skip cases that would run past this")
     parser.add_argument("--max-call-ms", type=float, default=3000.0, help="skip a provider's larger N past this")
     parser.add_argument("--single-call-ms", type=float, default=200.0,
                         help="a call predicted slower than this (already compiled at a smaller N) is timed once")
     parser.add_argument("--torch-max-n", type=int, default=4096, help="tokens up to which streamkl-torch runs")
     parser.add_argument("--compile-sizes", default="8192,4096", help="N at which naive-compile runs")
+    parser.add_argument("--compile-estimate-s", type=float, default=15.0,
+                        help="time one naive-compile compilation is budgeted (skipped when it would not fit)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for naive-compile")
     parser.add_argument("--block", type=int, default=128, help="block size of the sparsity sweep")
     parser.add_argument("--sdpa-any", action="store_true", help="let SDPA pick any backend (not only flash)")
@@ -632,9 +639,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows, env, goals, args, total_s)
     (out / f"{name}.md").write_text(md)
-    written = plots(rows, out, name)
     report = dict(environment=env, settings={k: v for k, v in vars(args).items() if k != "torch_dtype"},
-                  total_seconds=total_s, targets=goals, results=rows, plots=written)
+                  total_seconds=total_s, targets=goals, results=rows, plots=[])
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))  # before plots can fail
+    try:
+        written = plots(rows, out, name)
+    except Exception as exc:  # noqa: BLE001 -- the numbers are already written
+        print(f"plots failed: {type(exc).__name__}: {exc}")
+        written = []
+    report["plots"] = written
     (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))
     print(md)
     print("targets:")
