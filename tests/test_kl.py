@@ -251,3 +251,15 @@ def test_custom_ops_pass_opcheck():
         kl_forward_op, (*inputs, None, None, None, None, ints, [0.25, 0.35], "torch"),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+
+
+def test_float32_stays_full_precision_under_tf32_setting(backend):
+    """A global "allow TF32" setting must not lower float32 products (SPEC 2: no TF32)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        case = CASES[0]
+        check_against_reference(case.inputs(torch.float32), backend, **case.kwargs)
+        assert torch.get_float32_matmul_precision() == "medium", "the caller's setting was not restored"
+    finally:
+        torch.set_float32_matmul_precision(previous)

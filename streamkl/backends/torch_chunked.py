@@ -7,6 +7,8 @@ than one (heads, query tile, key chunk) block of scores.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +96,29 @@ def _per_head_chunks(count, index, block_k: int, len_k: int, max_tiles: int, dev
         yield _Chunk(cols, cols, True, valid)
 
 
+def _full_float32(method):
+    """Run with float32 products in full precision whatever the caller's global setting
+    (torch.set_float32_matmul_precision("high") would allow TF32): the SPEC forbids TF32."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        previous = torch.get_float32_matmul_precision()
+        guard = contextlib.nullcontext() if previous == "highest" else _matmul_precision("highest", previous)
+        with guard:
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _matmul_precision(value: str, restore: str):
+    torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(restore)
+
+
 class _Sides:
     """Per-(sequence, query tile, heads) views, upcast to float32, grouped for GQA."""
 
@@ -177,6 +202,7 @@ class TorchChunkedBackend(Backend):
         return out
 
     # ------------------------------------------------------------------ forward
+    @_full_float32
     def forward(self, problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
         device = problem.device
         kl_rows, lse1, lse2, expect = new_outputs(problem)
@@ -223,6 +249,7 @@ class TorchChunkedBackend(Backend):
         return kl_rows, lse1, lse2, expect
 
     # ------------------------------------------------------------------ backward
+    @_full_float32
     def backward(self, problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
         device = problem.device
         tensors = (q1, k1, q2, k2)
