@@ -43,17 +43,7 @@ SCRIPT = "attention_transfer"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
-    parser.add_argument("--backend", default=None, help="streamkl backend (default: $STREAMKL_BACKEND, else auto)")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the q/k fed to streamkl (the statistics are float32 either way)",
-    )
+    parser = common.example_parser(__doc__)
     parser.add_argument("--layer", type=int, default=5, help="teacher layer whose attention is copied (0..5)")
     parser.add_argument("--student-heads", type=int, default=12, help="student heads (teacher: 12)")
     parser.add_argument("--student-dim", type=int, default=8, help="student head dim (teacher: 32)")

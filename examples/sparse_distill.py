@@ -61,17 +61,7 @@ WINDOW = 510  # MiniLM's 512 positions minus [CLS] and [SEP]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
-    parser.add_argument("--backend", default=None, help="streamkl backend (default: $STREAMKL_BACKEND, else auto)")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the q/k fed to streamkl (the statistics are float32 either way)",
-    )
+    parser = common.example_parser(__doc__)
     parser.add_argument("--layer", type=int, default=1, help="teacher layer (0..5)")
     parser.add_argument("--seq-len", type=int, default=1024, help="context length (a multiple of --block-size)")
     parser.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256])
