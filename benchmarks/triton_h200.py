@@ -35,25 +35,10 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import streamkl  # noqa: E402
+from benchmarks.naive import naive_kl  # noqa: E402
 
 MIB = 2**20
 GRADS = {"forward": (), "fwd+bwd student": (2, 3), "fwd+bwd all": (0, 1, 2, 3)}
-
-
-def naive_kl(q1, k1, q2, k2, causal):
-    s1 = torch.einsum("bqhd,bkhd->bhqk", q1, k1).float() * q1.shape[-1] ** -0.5
-    s2 = torch.einsum("bqhd,bkhd->bhqk", q2, k2).float() * q2.shape[-1] ** -0.5
-    if causal:
-        n = s1.shape[-1]
-        future = torch.ones(n, n, dtype=torch.bool, device=s1.device).triu(1)
-        s1 = s1.masked_fill(future, float("-inf"))
-        s2 = s2.masked_fill(future, float("-inf"))
-    log_p1 = torch.log_softmax(s1, dim=-1)
-    log_p2 = torch.log_softmax(s2, dim=-1)
-    terms = log_p1.exp() * (log_p1 - log_p2)
-    if causal:
-        terms = terms.masked_fill(future, 0.0)
-    return terms.sum(-1).mean()
 
 
 def make_inputs(batch, n, heads, dim, dtype, grads):
