@@ -13,7 +13,7 @@ import streamkl
 from streamkl import BlockMask
 from streamkl.problem import build_problem
 from streamkl.reference import allowed_matrix
-from streamkl.sparse.schedule import build_schedule, get_schedule
+from streamkl.sparse.schedule import MIXED, OFF2, STRUCTURAL, build_schedule, get_schedule, transpose_schedule
 from streamkl.varlen import cu_seqlens_from_lengths
 
 
@@ -199,7 +199,7 @@ def test_schedule_pooling_and_partial_flags():
     problem = build_problem(q, q, q, q, mask1=mask, mask2=mask)
     big = build_schedule(problem, 64, 32)  # one query tile, two key tiles
     assert big.kv_count.tolist() == [[[2]]]
-    assert big.kv_partial[0, 0, 0, :2].tolist() == [1, 1]
+    assert big.kv_partial[0, 0, 0, :2].tolist() == [MIXED, MIXED], "pattern boundaries run through both tiles"
     small = build_schedule(problem, 16, 16)
     expected = pattern.repeat_interleave(2, 0).sum(-1).tolist()
     assert small.kv_count[0, 0].tolist() == expected
@@ -209,6 +209,27 @@ def test_schedule_pooling_and_partial_flags():
     assert sched.kv_count[0, 0].tolist() == [1, 2, 3, 4]
     partial = [sched.kv_partial[0, 0, t, : t + 1].tolist() for t in range(4)]
     assert partial == [[1], [0, 1], [0, 0, 1], [0, 0, 0, 1]], "only diagonal tiles are partial"
+
+
+def test_schedule_lists_full_tiles_first_with_their_flags():
+    """Full tiles first, then partial ones, each ascending; flags say why a tile is partial; the
+    key-major view agrees."""
+    allowed2 = torch.eye(4, dtype=torch.bool, device=DEVICE)
+    allowed2[3, 2] = True
+    q = torch.randn(1, 64, 1, 16, device=DEVICE)
+    problem = build_problem(q, q, q, q, causal=True, mask2=BlockMask.from_dense(allowed2, 16))
+    sched = build_schedule(problem, 16, 16)
+    assert sched.kv_count[0, 0].tolist() == [1, 2, 3, 4]
+    assert sched.kv_full[0, 0].tolist() == [0, 0, 0, 1]
+    assert sched.kv_index[0, 0, 3].tolist() == [2, 0, 1, 3]
+    assert sched.kv_partial[0, 0, 3].tolist() == [0, OFF2, OFF2, STRUCTURAL]
+    assert sched.kv_partial[0, 0, 1, :2].tolist() == [OFF2, STRUCTURAL]
+    keys = transpose_schedule(sched)
+    assert keys.q_count[0, 0].tolist() == [4, 3, 2, 1]
+    assert keys.q_full[0, 0].tolist() == [0, 0, 1, 0]
+    assert keys.q_index[0, 0, 2, :2].tolist() == [3, 2]
+    assert keys.q_partial[0, 0, 2, :2].tolist() == [0, STRUCTURAL]
+    assert keys.q_partial[0, 0, 0].tolist() == [STRUCTURAL, OFF2, OFF2, OFF2]
 
 
 def test_schedule_is_cached_per_mask_and_shape():

@@ -186,8 +186,10 @@ class TorchChunkedBackend(Backend):
                     chunks = list(_per_head_chunks(*row, block_k, len_k, max_tiles, device))
                 else:
                     n = int(count[s, 0, tile])
-                    tiles = index[s, 0, tile, :n].tolist()
-                    flags = partial[s, 0, tile, :n].tolist()
+                    # the schedule lists full tiles before partial ones: ascending keys make
+                    # contiguous runs (views, no gather) here
+                    pairs = sorted(zip(index[s, 0, tile, :n].tolist(), partial[s, 0, tile, :n].tolist()))
+                    tiles, flags = [t for t, _ in pairs], [f for _, f in pairs]
                     chunks = list(_chunks(tiles, flags, block_k, len_k, max_tiles, device)) if n else []
                 yield seq, span, rows, slice(None), chunks
 

@@ -4,7 +4,15 @@ Masks, causality, the window and `cu_seqlens` are turned here, once, into a comp
 tiles per (sequence, head, query tile), FlexAttention style. Every backend walks this list, so no
 kernel re-derives varlen or block-sparse logic. A tile is visited iff some key in it is allowed on
 side 1 or on side 2 (the union of both sides' supports); it is *partial* unless every element is
-allowed on both sides, and only partial tiles pay for element masks.
+allowed on both sides, and only partial tiles pay for element masks. Each query tile lists its full
+tiles first, then its partial ones (each group ascending), so a kernel runs one branch-free loop over
+the full tiles and one masked loop over the rest.
+
+A partial tile's flags say why, so kernels whose tiles never straddle a mask block (the Triton
+kernels: tiles <= mask blocks, both powers of two) need no pattern loads at all:
+`STRUCTURAL` (sequence bounds, causality or the window cut the tile), `OFF1` / `OFF2` (that side's
+block pattern allows no key of the tile), `MIXED` (a pattern block boundary runs through the tile:
+only with tiles larger than the mask blocks, which then need the pattern itself).
 
 Built with torch ops on the inputs' device: no host sync, so CUDA-graph capture stays possible
 when `max_seqlen*` are given.
@@ -20,14 +28,19 @@ import torch
 
 from streamkl.problem import Problem, SideMask
 
+#: kv_partial / q_partial flag bits (0: a full tile, every element allowed on both sides)
+STRUCTURAL, OFF1, OFF2, MIXED = 1, 2, 4, 8
+
 
 @dataclass(frozen=True)
 class TileSchedule:
     """Compressed key-tile lists, broadcast over size-1 sequence / head dims.
 
     kv_count[s, h, t]      number of key tiles visited by query tile t of sequence s, head h
-    kv_index[s, h, t, i]   the i-th visited key tile, ascending; entries past kv_count are unused
-    kv_partial[s, h, t, i] 1 where that tile needs element masks (boundary, causal edge, block mask)
+    kv_full[s, h, t]       how many of them are full tiles (listed first)
+    kv_index[s, h, t, i]   the i-th visited key tile: full ones ascending, then partial ones
+                           ascending; entries past kv_count are unused
+    kv_partial[s, h, t, i] the flags of that tile (module docstring); nonzero iff it needs masks
     Dims: s in range(1 or num_sequences), h in range(1 or H).
     """
 
@@ -36,6 +49,7 @@ class TileSchedule:
     kv_count: torch.Tensor  # int32 [S', H', nQ]
     kv_index: torch.Tensor  # int32 [S', H', nQ, nK]
     kv_partial: torch.Tensor  # int8  [S', H', nQ, nK]
+    kv_full: torch.Tensor  # int32 [S', H', nQ]
 
     @property
     def num_q_tiles(self) -> int:
@@ -104,6 +118,13 @@ def _pool(pattern: torch.Tensor, dim: int, mask_block: int, tile: int, n_tiles: 
     return pooled.movedim(-1, dim)
 
 
+def _order(visit: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+    """Per row of the last dim: visited full tiles, then visited partial ones, then the rest, each
+    group ascending (a stable sort of the group number)."""
+    group = (~visit).to(torch.int8) * 2 + (visit & partial).to(torch.int8)
+    return torch.argsort(group, dim=-1, stable=True)
+
+
 def _pool_pattern(mask: SideMask, block_q: int, block_k: int, n_q: int, n_k: int):
     """Pool a block pattern [Bm, Hm, nbq, nbk] onto kernel tiles: (any, all) [Bm, Hm, nQ, nK]."""
     pattern = mask.pattern.bool()
@@ -120,26 +141,26 @@ def build_schedule(problem: Problem, block_q: int, block_k: int) -> TileSchedule
     n_k = max(math.ceil(problem.seqlen_k / block_k), 1)
     any_s, all_s = _structural_tiles(problem, block_q, block_k, n_q, n_k)  # [S', nQ, nK]
     any_s, all_s = any_s[:, None], all_s[:, None]  # [S', 1, nQ, nK]
-    sides = []
-    for mask in (problem.mask1, problem.mask2):
+    sides, flags = [], (~all_s).to(torch.int8) * STRUCTURAL
+    for mask, off in ((problem.mask1, OFF1), (problem.mask2, OFF2)):
         if mask is None:
             sides.append((any_s, all_s))
         else:
             any_m, all_m = _pool_pattern(mask, block_q, block_k, n_q, n_k)
             sides.append((any_s & any_m, all_s & all_m))
+            flags = flags | (~any_m).to(torch.int8) * off | (any_m & ~all_m).to(torch.int8) * MIXED
     (any1, all1), (any2, all2) = sides
     visit = any1 | any2
     partial = visit & ~(all1 & all2)
-    kv_count = visit.sum(-1, dtype=torch.int32)
-    # a stable sort of "not visited" puts the visited tiles first, in ascending order
-    order = torch.argsort((~visit).to(torch.int8), dim=-1, stable=True)
-    kv_partial = torch.gather(partial, -1, order).to(torch.int8)
+    order = _order(visit, partial)
+    flags = torch.where(visit, flags, 0).expand(partial.shape)
     return TileSchedule(
         block_q=block_q,
         block_k=block_k,
-        kv_count=kv_count.contiguous(),
+        kv_count=visit.sum(-1, dtype=torch.int32).contiguous(),
         kv_index=order.to(torch.int32).contiguous(),
-        kv_partial=kv_partial.contiguous(),
+        kv_partial=torch.gather(flags, -1, order).contiguous(),
+        kv_full=(visit & ~partial).sum(-1, dtype=torch.int32).contiguous(),
     )
 
 
@@ -188,8 +209,10 @@ class KeyTileSchedule:
     """The same visits as a TileSchedule, listed per key tile (for key-major backward kernels).
 
     q_count[s, h, k]      number of query tiles visiting key tile k of sequence s, head h
-    q_index[s, h, k, i]   the i-th of them, ascending; entries past q_count are unused
-    q_partial[s, h, k, i] 1 where that (query tile, key tile) pair needs element masks
+    q_full[s, h, k]       how many of them are full pairs (listed first)
+    q_index[s, h, k, i]   the i-th of them: full pairs ascending, then partial ones ascending;
+                          entries past q_count are unused
+    q_partial[s, h, k, i] the flags of that (query tile, key tile) pair, as kv_partial
     """
 
     block_q: int
@@ -197,6 +220,7 @@ class KeyTileSchedule:
     q_count: torch.Tensor  # int32 [S', H', nK]
     q_index: torch.Tensor  # int32 [S', H', nK, nQ]
     q_partial: torch.Tensor  # int8  [S', H', nK, nQ]
+    q_full: torch.Tensor  # int32 [S', H', nK]
 
 
 def transpose_schedule(schedule: TileSchedule) -> KeyTileSchedule:
@@ -210,13 +234,15 @@ def transpose_schedule(schedule: TileSchedule) -> KeyTileSchedule:
     partial = torch.zeros(index.shape, dtype=torch.int8, device=index.device)
     partial.scatter_(-1, index, schedule.kv_partial * valid)
     visit_t = visit.transpose(-1, -2)  # [S', H', nK, nQ]
-    order = torch.argsort((~visit_t).to(torch.int8), dim=-1, stable=True)
+    partial_t = partial.transpose(-1, -2)
+    order = _order(visit_t, partial_t != 0)
     return KeyTileSchedule(
         block_q=schedule.block_q,
         block_k=schedule.block_k,
         q_count=visit_t.sum(-1, dtype=torch.int32).contiguous(),
         q_index=order.to(torch.int32).contiguous(),
-        q_partial=torch.gather(partial.transpose(-1, -2), -1, order).contiguous(),
+        q_partial=torch.gather(partial_t, -1, order).contiguous(),
+        q_full=(visit_t & (partial_t == 0)).sum(-1, dtype=torch.int32).contiguous(),
     )
 
 
