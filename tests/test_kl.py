@@ -174,6 +174,13 @@ def test_strided_inputs_need_no_copy(backend):
         assert torch.allclose(s.grad, c.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=[CASES[i].id for i in (0, 2, 4)])
+def test_deterministic_against_reference(case, backend):
+    """`deterministic=True` takes other kernels on some backends (no atomics): same accuracy."""
+    check_against_reference(case.inputs(torch.float32), backend, deterministic=True, **case.kwargs)
+    check_against_reference(case.inputs(torch.bfloat16), backend, deterministic=True, **case.kwargs)
+
+
 def test_deterministic_gradients_are_bitwise_identical(backend):
     case = CASES[4]
     inputs = case.inputs(torch.float32)

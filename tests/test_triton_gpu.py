@@ -94,18 +94,21 @@ def test_large_bf16_against_reference_subset_of_heads():
 
 
 @gpu
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_gradients_are_bitwise_reproducible(deterministic):
+def test_deterministic_gradients_are_bitwise_reproducible_and_match_the_default():
+    """deterministic=True: no atomics, identical bits run to run; the default (atomic dq) agrees
+    with it to float32 summation-order noise."""
     inputs = make_inputs((1, 4096), (1, 4096), 8, (2, 4), (128, 64), torch.bfloat16, DEVICE)
     runs = []
-    for _ in range(3):
+    for deterministic in (True, True, True, False):
         for t in inputs:
             t.grad = None
         streamkl.kl(*inputs, causal=True, deterministic=deterministic, backend="triton").backward()
         runs.append([t.grad.clone() for t in inputs])
-    for later in runs[1:]:
+    for later in runs[1:3]:
         for a, b in zip(runs[0], later):
             assert torch.equal(a, b)
+    for a, b in zip(runs[0], runs[3]):
+        assert rel_l2(b.float(), a.float()) < 1e-2
 
 
 @gpu

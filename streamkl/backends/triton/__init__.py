@@ -34,15 +34,16 @@ def _import_reason() -> str | None:
 @functools.lru_cache(maxsize=64)
 def _tile_sizes(dim1: int, dim2: int, itemsize: int, mask_blocks: tuple, interpret: bool) -> tuple[int, int]:
     """(block_q, block_k) of the schedule. Under the interpreter, larger tiles run faster (fewer
-    Python-level steps over bigger NumPy blocks). On the GPU, tiles follow the block masks'
-    granularity so the work stays proportional to the visited blocks."""
-    if interpret:
-        return 64, 64
+    Python-level steps over bigger NumPy blocks). Tiles follow the block masks' granularity (no
+    larger than a mask block), so the work stays proportional to the visited blocks."""
     dim = max(dim1, dim2)
-    if itemsize == 4:  # full-float32 products run on the FMA units; smaller tiles fit shared memory
+    if interpret:
+        block_q, block_k = 64, 64
+    elif itemsize == 4:  # full-float32 products run on the FMA units; smaller tiles fit shared memory
         block_q, block_k = (32, 32) if dim > 128 else (64, 32) if dim > 64 else (64, 64)
     else:
         block_q, block_k = (64, 32) if dim > 128 else (128, 64)
+    # the kernels read block patterns only through the schedule flags: no tile straddles a block
     for mask_q, mask_k in mask_blocks:
         block_q, block_k = min(block_q, mask_q), min(block_k, mask_k)
     return block_q, block_k

@@ -1,14 +1,18 @@
-"""The backward: scores recomputed tile by tile from the saved (lse1, lse2, E), in two kernels
-that own disjoint outputs, so no atomics and bitwise-reproducible gradients by construction:
+"""The backward: scores recomputed tile by tile from the saved (lse1, lse2, E).
 
-- `_kl_bwd_dq_kernel`, query-major over the TileSchedule: dq1, dq2 of one query tile;
-- `_kl_bwd_dk_kernel`, key-major over the transposed schedule: dk1, dk2 of one key tile, summed
-  over the query heads that share the key head (GQA) inside the program.
+Default (`deterministic=False`): one key-major kernel over the transposed schedule. A program owns
+one key tile (of one sequence and key head, looping over the query heads that share it: GQA sums
+stay inside), streams the query tiles that visit it, accumulates dk1, dk2 in registers and adds
+each tile's dq1, dq2 contribution into float32 buffers with atomics: the scores are computed once.
+
+`deterministic=True`: two kernels that own disjoint outputs, no atomics, bitwise-reproducible
+gradients: `_kl_bwd_dq_kernel` (query-major, dq1, dq2) and the same key-major kernel without its
+dq part (dk1, dk2). The scores are computed twice.
 
 With d = s1 - s2 (0 off side 1's support), p = exp(s1 - lse1), q = exp(s2 - lse2) and the row's
 upstream gradient g:  dS1 = g * p * (d - E),  dS2 = g * (q - p);  dq = scale * dS @ k,
 dk = scale * dS^T @ q. Only the requested gradients are computed: a side that needs none costs only
-its score recomputation.
+its score recomputation. Full tiles (listed first by the schedule) run without any mask.
 """
 
 from __future__ import annotations
@@ -21,16 +25,16 @@ from streamkl.backends.triton.common import (
     LN2_K,
     LOG2E_K,
     _dot,
-    _side_allowed,
-    _structural_allowed,
+    _partial_allowed,
     broadcast_strides,
+    check_tiles,
     dim_blocks,
+    even_dims,
     group_sizes,
     head_strides,
     interpreting,
     launch,
     log2_scales,
-    mask_args,
     num_k_tiles,
     num_q_tiles,
     pipeline_stages,
@@ -40,16 +44,22 @@ from streamkl.backends.triton.common import (
     window_bounds,
 )
 from streamkl.problem import Problem
-from streamkl.sparse.schedule import TileSchedule, get_key_schedule
+from streamkl.sparse.schedule import TileSchedule, get_key_schedule, get_schedule
 
 
 @triton.jit
-def _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i):
+def _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i, MASKED: tl.constexpr):
     """Per-row (lse1, lse2) in log2 units, E and g, made safe for the tile formulas."""
-    b_lse1 = tl.load(LSE1 + o_stat, mask=m_i, other=float("-inf"))
-    b_lse2 = tl.load(LSE2 + o_stat, mask=m_i, other=float("-inf"))
-    b_e = tl.load(EXPECT + o_stat, mask=m_i, other=0.0)
-    b_g = tl.load(GRAD + o_grad, mask=m_i, other=0.0)
+    if MASKED:
+        b_lse1 = tl.load(LSE1 + o_stat, mask=m_i, other=float("-inf"))
+        b_lse2 = tl.load(LSE2 + o_stat, mask=m_i, other=float("-inf"))
+        b_e = tl.load(EXPECT + o_stat, mask=m_i, other=0.0)
+        b_g = tl.load(GRAD + o_grad, mask=m_i, other=0.0)
+    else:
+        b_lse1 = tl.load(LSE1 + o_stat)
+        b_lse2 = tl.load(LSE2 + o_stat)
+        b_e = tl.load(EXPECT + o_stat)
+        b_g = tl.load(GRAD + o_grad)
     # an empty row's lse is -inf: +inf makes its p = exp2(s - lse) exactly 0
     b_lse1 = tl.where(b_lse1 == float("-inf"), float("inf"), b_lse1 * LOG2E_K)
     b_lse2 = tl.where(b_lse2 == float("-inf"), float("inf"), b_lse2 * LOG2E_K)
@@ -58,22 +68,15 @@ def _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i):
 
 @triton.jit
 def _tile_dscores(
-    b_s1, b_s2, partial, o_i, o_j, len_q, len_k, window_left, window_right,
-    p_mask1, stride_m1q, stride_m1k, mask1_block_q, mask1_block_k,
-    p_mask2, stride_m2q, stride_m2k, mask2_block_q, mask2_block_k,
-    b_lse1, b_lse2, b_e, b_g,
-    HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
+    b_s1, b_s2, flags, o_i, o_j, len_q, len_k, window_left, window_right,
+    b_lse1, b_lse2, b_e, b_g, MASKED: tl.constexpr,
 ):
     """(dS1, dS2) [BQ, BK] of one tile from its log2-unit scores; element masks on partial tiles.
 
     d and E run over keys allowed on both sides; an uncovered row's infinite part is a constant,
     and dS2 is kept to side 2's support."""
-    if partial != 0:
-        m_struct = _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right)
-        m_a1 = _side_allowed(m_struct, o_i, o_j, p_mask1, stride_m1q, stride_m1k, mask1_block_q, mask1_block_k,
-                             HAS_MASK1)
-        m_a2 = _side_allowed(m_struct, o_i, o_j, p_mask2, stride_m2q, stride_m2k, mask2_block_q, mask2_block_k,
-                             HAS_MASK2)
+    if MASKED:
+        m_a1, m_a2 = _partial_allowed(flags, o_i, o_j, len_q, len_k, window_left, window_right)
         b_s1 = tl.where(m_a1, b_s1, float("-inf"))
         b_s2 = tl.where(m_a2, b_s2, float("-inf"))
         b_diff = tl.where(m_a1 & m_a2, b_s1 - b_s2, 0.0)
@@ -88,13 +91,48 @@ def _tile_dscores(
 
 
 @triton.jit
+def _load_tile(p, m_rows, m_cols, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [rows, dim] tile (pointers given); rows masked only on partial tiles, columns only for
+    head dims below their power-of-two block."""
+    if MASKED:
+        return tl.load(p, mask=m_rows[:, None] & m_cols[None, :], other=0.0)
+    elif EVEN_D:
+        return tl.load(p)
+    else:
+        return tl.load(p, mask=m_cols[None, :], other=0.0)
+
+
+@triton.jit
+def _dq_step(
+    b_q1, b_q2, b_dq1, b_dq2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start,
+    window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
+    b_lse1, b_lse2, b_e, b_g,
+    BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    NEED_DQ1: tl.constexpr, NEED_DQ2: tl.constexpr,
+):
+    o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_j = o_j < len_k
+    o_keys = (k_start + o_j).to(tl.int64)
+    b_k1 = _load_tile(p_k1 + o_keys[:, None] * stride_k1n, m_j, m_d1, MASKED, EVEN_D)  # [BK, BD1]
+    b_k2 = _load_tile(p_k2 + o_keys[:, None] * stride_k2n, m_j, m_d2, MASKED, EVEN_D)  # [BK, BD2]
+    b_s1 = _dot(b_q1, tl.trans(b_k1), IEEE) * scale1  # [BQ, BK]
+    b_s2 = _dot(b_q2, tl.trans(b_k2), IEEE) * scale2  # [BQ, BK]
+    b_ds1, b_ds2 = _tile_dscores(b_s1, b_s2, flags, o_i, o_j, len_q, len_k, window_left, window_right,
+                                 b_lse1, b_lse2, b_e, b_g, MASKED)
+    if NEED_DQ1:
+        b_dq1 += _dot(b_ds1.to(b_k1.dtype), b_k1, IEEE)  # [BQ, BD1]
+    if NEED_DQ2:
+        b_dq2 += _dot(b_ds2.to(b_k2.dtype), b_k2, IEEE)  # [BQ, BD2]
+    return b_dq1, b_dq2
+
+
+@triton.jit
 def _kl_bwd_dq_kernel(
     Q1, K1, Q2, K2,
     LSE1, LSE2, EXPECT, GRAD,
     DQ1, DQ2,
     CU_Q, CU_K,
-    KV_COUNT, KV_INDEX, KV_PARTIAL,
-    MASK1, MASK2,
+    KV_COUNT, KV_FULL, KV_INDEX, KV_FLAGS,
     stride_q1b, stride_q1n, stride_q1h,
     stride_k1b, stride_k1n, stride_k1h,
     stride_q2b, stride_q2n, stride_q2h,
@@ -105,9 +143,6 @@ def _kl_bwd_dq_kernel(
     stride_d2b, stride_d2n, stride_d2h,
     stride_cs, stride_ch, stride_ct,
     stride_is, stride_ih, stride_it,
-    stride_m1s, stride_m1h, stride_m1q, stride_m1k,
-    stride_m2s, stride_m2h, stride_m2q, stride_m2k,
-    mask1_block_q, mask1_block_k, mask2_block_q, mask2_block_k,
     seqlen_q, seqlen_k, heads, group1, group2,
     scale1, scale2,  # scale * log2(e)
     window_left, window_right,
@@ -115,7 +150,7 @@ def _kl_bwd_dq_kernel(
     SUB_TILES: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-    USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
+    USE_VARLEN: tl.constexpr, EVEN_D: tl.constexpr,
     IEEE: tl.constexpr, NEED_DQ1: tl.constexpr, NEED_DQ2: tl.constexpr,
 ):
     # flat grid, query tiles fastest, last query tiles first (as in the forward)
@@ -149,39 +184,33 @@ def _kl_bwd_dq_kernel(
                    mask=m_i[:, None] & m_d2[None, :], other=0.0)  # [BQ, BD2]
     o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
     o_grad = seq64 * stride_gb + head * stride_gh + o_rows * stride_gn
-    b_lse1, b_lse2, b_e, b_g = _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i)
+    b_lse1, b_lse2, b_e, b_g = _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i, True)
 
     p_k1 = K1 + seq64 * stride_k1b + (head // group1) * stride_k1h + o_d1[None, :]
     p_k2 = K2 + seq64 * stride_k2b + (head // group2) * stride_k2h + o_d2[None, :]
-    p_count = KV_COUNT + seq * stride_cs + head * stride_ch + tile * stride_ct
+    o_count = seq * stride_cs + head * stride_ch + tile * stride_ct
     p_index = KV_INDEX + seq * stride_is + head * stride_ih + tile * stride_it
-    p_partial = KV_PARTIAL + seq * stride_is + head * stride_ih + tile * stride_it
-    p_mask1 = MASK1 + seq * stride_m1s + head * stride_m1h
-    p_mask2 = MASK2 + seq * stride_m2s + head * stride_m2h
+    p_flags = KV_FLAGS + seq * stride_is + head * stride_ih + tile * stride_it
 
     b_dq1 = tl.zeros([BLOCK_Q, BLOCK_D1], tl.float32)
     b_dq2 = tl.zeros([BLOCK_Q, BLOCK_D2], tl.float32)
-    n_visit = tl.load(p_count)
-    for visit in range(0, n_visit):
+    n_visit = tl.load(KV_COUNT + o_count)
+    n_full = tl.load(KV_FULL + o_count)
+    for visit in range(0, n_full):
         k_tile = tl.load(p_index + visit)
-        partial = tl.load(p_partial + visit)
-        o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        m_j = o_j < len_k
-        o_keys = (k_start + o_j).to(tl.int64)
-        b_k1 = tl.load(p_k1 + o_keys[:, None] * stride_k1n, mask=m_j[:, None] & m_d1[None, :], other=0.0)  # [BK, BD1]
-        b_k2 = tl.load(p_k2 + o_keys[:, None] * stride_k2n, mask=m_j[:, None] & m_d2[None, :], other=0.0)  # [BK, BD2]
-        b_s1 = _dot(b_q1, tl.trans(b_k1), IEEE) * scale1  # [BQ, BK]
-        b_s2 = _dot(b_q2, tl.trans(b_k2), IEEE) * scale2  # [BQ, BK]
-        b_ds1, b_ds2 = _tile_dscores(
-            b_s1, b_s2, partial, o_i, o_j, len_q, len_k, window_left, window_right,
-            p_mask1, stride_m1q, stride_m1k, mask1_block_q, mask1_block_k,
-            p_mask2, stride_m2q, stride_m2k, mask2_block_q, mask2_block_k,
-            b_lse1, b_lse2, b_e, b_g, HAS_MASK1, HAS_MASK2,
+        b_dq1, b_dq2 = _dq_step(
+            b_q1, b_q2, b_dq1, b_dq2, p_k1, p_k2, k_tile, 0, o_i, len_q, len_k, k_start,
+            window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
+            b_lse1, b_lse2, b_e, b_g, BLOCK_K, False, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2,
         )
-        if NEED_DQ1:
-            b_dq1 += _dot(b_ds1.to(b_k1.dtype), b_k1, IEEE)  # [BQ, BD1]
-        if NEED_DQ2:
-            b_dq2 += _dot(b_ds2.to(b_k2.dtype), b_k2, IEEE)  # [BQ, BD2]
+    for visit in range(n_full, n_visit):
+        k_tile = tl.load(p_index + visit)
+        flags = tl.load(p_flags + visit).to(tl.int32)
+        b_dq1, b_dq2 = _dq_step(
+            b_q1, b_q2, b_dq1, b_dq2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start,
+            window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
+            b_lse1, b_lse2, b_e, b_g, BLOCK_K, True, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2,
+        )
 
     if NEED_DQ1:
         p_dq1 = DQ1 + seq64 * stride_d1b + head * stride_d1h + o_rows[:, None] * stride_d1n + o_d1[None, :]
@@ -194,13 +223,62 @@ def _kl_bwd_dq_kernel(
 
 
 @triton.jit
-def _kl_bwd_dk_kernel(
+def _kv_step(
+    b_k1, b_k2, b_dk1, b_dk2, q_tile, flags, o_j, len_q, len_k, q_start,
+    p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
+    stride_q1n, stride_q2n, stride_dq1n, stride_dq2n, stride_sn, stride_gn,
+    window_left, window_right, m_d1, m_d2, scale1, scale2,
+    BLOCK_Q: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr, ATOMIC_DQ1: tl.constexpr, ATOMIC_DQ2: tl.constexpr,
+):
+    """One query tile against the program's key tile: dk accumulated, dq added atomically."""
+    o_i = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    m_i = o_i < len_q
+    o_rows = (q_start + o_i).to(tl.int64)
+    b_q1 = _load_tile(p_q1 + o_rows[:, None] * stride_q1n, m_i, m_d1, MASKED, EVEN_D)  # [BQ, BD1]
+    b_q2 = _load_tile(p_q2 + o_rows[:, None] * stride_q2n, m_i, m_d2, MASKED, EVEN_D)  # [BQ, BD2]
+    b_lse1, b_lse2, b_e, b_g = _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat_h + o_rows * stride_sn,
+                                          o_grad_h + o_rows * stride_gn, m_i, MASKED)
+    b_s1 = _dot(b_q1, tl.trans(b_k1), IEEE) * scale1  # [BQ, BK]
+    b_s2 = _dot(b_q2, tl.trans(b_k2), IEEE) * scale2  # [BQ, BK]
+    b_ds1, b_ds2 = _tile_dscores(b_s1, b_s2, flags, o_i, o_j, len_q, len_k, window_left, window_right,
+                                 b_lse1, b_lse2, b_e, b_g, MASKED)
+    if NEED_DK1 or ATOMIC_DQ1:
+        b_ds1 = b_ds1.to(b_q1.dtype)
+    if NEED_DK2 or ATOMIC_DQ2:
+        b_ds2 = b_ds2.to(b_q2.dtype)
+    if NEED_DK1:
+        b_dk1 += _dot(tl.trans(b_ds1), b_q1, IEEE)  # [BK, BD1]
+    if NEED_DK2:
+        b_dk2 += _dot(tl.trans(b_ds2), b_q2, IEEE)  # [BK, BD2]
+    if ATOMIC_DQ1:
+        b_dq1 = _dot(b_ds1, b_k1, IEEE) * (scale1 * LN2_K)  # [BQ, BD1]
+        p = p_dq1 + o_rows[:, None] * stride_dq1n
+        if MASKED:
+            tl.atomic_add(p, b_dq1, mask=m_i[:, None] & m_d1[None, :], sem="relaxed")
+        elif EVEN_D:
+            tl.atomic_add(p, b_dq1, sem="relaxed")
+        else:
+            tl.atomic_add(p, b_dq1, mask=m_d1[None, :], sem="relaxed")
+    if ATOMIC_DQ2:
+        b_dq2 = _dot(b_ds2, b_k2, IEEE) * (scale2 * LN2_K)  # [BQ, BD2]
+        p = p_dq2 + o_rows[:, None] * stride_dq2n
+        if MASKED:
+            tl.atomic_add(p, b_dq2, mask=m_i[:, None] & m_d2[None, :], sem="relaxed")
+        elif EVEN_D:
+            tl.atomic_add(p, b_dq2, sem="relaxed")
+        else:
+            tl.atomic_add(p, b_dq2, mask=m_d2[None, :], sem="relaxed")
+    return b_dk1, b_dk2
+
+
+@triton.jit
+def _kl_bwd_kv_kernel(
     Q1, K1, Q2, K2,
     LSE1, LSE2, EXPECT, GRAD,
-    DK1, DK2,
+    DK1, DK2, DQ1, DQ2,  # DQ*: float32 accumulators, only with ATOMIC_DQ*
     CU_Q, CU_K,
-    Q_COUNT, Q_INDEX, Q_PARTIAL,
-    MASK1, MASK2,
+    Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,
     stride_q1b, stride_q1n, stride_q1h,
     stride_k1b, stride_k1n, stride_k1h,
     stride_q2b, stride_q2n, stride_q2h,
@@ -209,19 +287,18 @@ def _kl_bwd_dk_kernel(
     stride_sb, stride_sh, stride_sn,
     stride_d1b, stride_d1n, stride_d1h,
     stride_d2b, stride_d2n, stride_d2h,
+    stride_a1b, stride_a1n, stride_a1h,
+    stride_a2b, stride_a2n, stride_a2h,
     stride_cs, stride_ch, stride_ck,
     stride_is, stride_ih, stride_ik,
-    stride_m1s, stride_m1h, stride_m1q, stride_m1k,
-    stride_m2s, stride_m2h, stride_m2q, stride_m2k,
-    mask1_block_q, mask1_block_k, mask2_block_q, mask2_block_k,
     seqlen_q, seqlen_k, heads, group1, group2, group_drive,
     scale1, scale2,  # scale * log2(e)
     window_left, window_right,
     dim1, dim2, k_programs,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-    USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
-    IEEE: tl.constexpr, NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr,
+    USE_VARLEN: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr, ATOMIC_DQ1: tl.constexpr, ATOMIC_DQ2: tl.constexpr,
 ):
     # one program per (key tile, sequence, key head of the driving side); it loops over the query
     # heads of that key head's group, so the GQA sum stays inside the program
@@ -260,37 +337,34 @@ def _kl_bwd_dk_kernel(
         b_k2 = tl.load(p_k2, mask=m_j[:, None] & m_d2[None, :], other=0.0)  # [BK, BD2]
         p_q1 = Q1 + seq64 * stride_q1b + head * stride_q1h + o_d1[None, :]
         p_q2 = Q2 + seq64 * stride_q2b + head * stride_q2h + o_d2[None, :]
-        p_count = Q_COUNT + seq * stride_cs + head * stride_ch + pid_k * stride_ck
+        p_dq1 = DQ1 + seq64 * stride_a1b + head * stride_a1h + o_d1[None, :]
+        p_dq2 = DQ2 + seq64 * stride_a2b + head * stride_a2h + o_d2[None, :]
+        o_stat_h = seq64 * stride_sb + head * stride_sh
+        o_grad_h = seq64 * stride_gb + head * stride_gh
+        o_count = seq * stride_cs + head * stride_ch + pid_k * stride_ck
         p_index = Q_INDEX + seq * stride_is + head * stride_ih + pid_k * stride_ik
-        p_partial = Q_PARTIAL + seq * stride_is + head * stride_ih + pid_k * stride_ik
-        p_mask1 = MASK1 + seq * stride_m1s + head * stride_m1h
-        p_mask2 = MASK2 + seq * stride_m2s + head * stride_m2h
-        n_visit = tl.load(p_count)
-        for visit in range(0, n_visit):
+        p_flags = Q_FLAGS + seq * stride_is + head * stride_ih + pid_k * stride_ik
+        n_visit = tl.load(Q_COUNT + o_count)
+        n_full = tl.load(Q_FULL + o_count)
+        for visit in range(0, n_full):
             q_tile = tl.load(p_index + visit)
-            partial = tl.load(p_partial + visit)
-            o_i = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-            m_i = o_i < len_q
-            o_rows = (q_start + o_i).to(tl.int64)
-            m_q1 = m_i[:, None] & m_d1[None, :]
-            b_q1 = tl.load(p_q1 + o_rows[:, None] * stride_q1n, mask=m_q1, other=0.0)  # [BQ, BD1]
-            m_q2 = m_i[:, None] & m_d2[None, :]
-            b_q2 = tl.load(p_q2 + o_rows[:, None] * stride_q2n, mask=m_q2, other=0.0)  # [BQ, BD2]
-            o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
-            o_grad = seq64 * stride_gb + head * stride_gh + o_rows * stride_gn
-            b_lse1, b_lse2, b_e, b_g = _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i)
-            b_s1 = _dot(b_q1, tl.trans(b_k1), IEEE) * scale1  # [BQ, BK]
-            b_s2 = _dot(b_q2, tl.trans(b_k2), IEEE) * scale2  # [BQ, BK]
-            b_ds1, b_ds2 = _tile_dscores(
-                b_s1, b_s2, partial, o_i, o_j, len_q, len_k, window_left, window_right,
-                p_mask1, stride_m1q, stride_m1k, mask1_block_q, mask1_block_k,
-                p_mask2, stride_m2q, stride_m2k, mask2_block_q, mask2_block_k,
-                b_lse1, b_lse2, b_e, b_g, HAS_MASK1, HAS_MASK2,
+            b_dk1, b_dk2 = _kv_step(
+                b_k1, b_k2, b_dk1, b_dk2, q_tile, 0, o_j, len_q, len_k, q_start,
+                p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
+                stride_q1n, stride_q2n, stride_a1n, stride_a2n, stride_sn, stride_gn,
+                window_left, window_right, m_d1, m_d2, scale1, scale2,
+                BLOCK_Q, False, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2,
             )
-            if NEED_DK1:
-                b_dk1 += _dot(tl.trans(b_ds1.to(b_q1.dtype)), b_q1, IEEE)  # [BK, BD1]
-            if NEED_DK2:
-                b_dk2 += _dot(tl.trans(b_ds2.to(b_q2.dtype)), b_q2, IEEE)  # [BK, BD2]
+        for visit in range(n_full, n_visit):
+            q_tile = tl.load(p_index + visit)
+            flags = tl.load(p_flags + visit).to(tl.int32)
+            b_dk1, b_dk2 = _kv_step(
+                b_k1, b_k2, b_dk1, b_dk2, q_tile, flags, o_j, len_q, len_k, q_start,
+                p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
+                stride_q1n, stride_q2n, stride_a1n, stride_a2n, stride_sn, stride_gn,
+                window_left, window_right, m_d1, m_d2, scale1, scale2,
+                BLOCK_Q, True, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2,
+            )
 
     if NEED_DK1:
         p_dk1 = DK1 + seq64 * stride_d1b + head_k * stride_d1h + o_keys[:, None] * stride_d1n + o_d1[None, :]
@@ -303,7 +377,7 @@ def _kl_bwd_dk_kernel(
 
 
 def bwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, int]:
-    """(rows per dq program, num_warps, num_stages) of the dq kernel."""
+    """(rows per dq program, num_warps, num_stages) of the deterministic dq kernel."""
     if interpreting():
         return block_q, 4, 1
     block_d1, block_d2 = dim_blocks(problem)
@@ -311,58 +385,84 @@ def bwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     rows = min(block_q, 32 if big else 64)
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
     stages = pipeline_stages(block_k * row_bytes, rows * row_bytes)
-    return rows, 8 if big else 4, stages
+    rows, warps, stages = TUNE.get("dq", (rows, 8 if big else 4, stages))
+    return min(rows, block_q), warps, stages
 
 
-def dk_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of the dk kernel, which streams query tiles."""
+def kv_tiles(problem: Problem, schedule: TileSchedule) -> tuple[int, int]:
+    """(block_q, block_k) of the key-major kernel: each program keeps a key tile and streams query
+    tiles, so it wants more keys than rows; within the mask blocks."""
+    if interpreting():
+        return schedule.block_q, schedule.block_k
+    block_q, block_k = schedule.block_q, schedule.block_k
+    block_d = max(dim_blocks(problem))
+    if problem.dtype.itemsize == 2 and block_d <= 128:
+        block_q, block_k = TUNE.get("kv_tiles", (64, 128))
+    for mask in (problem.mask1, problem.mask2):
+        if mask is not None:
+            block_q, block_k = min(block_q, mask.block_q), min(block_k, mask.block_k)
+    return block_q, block_k
+
+
+def kv_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of the key-major kernel, which streams query tiles."""
     if interpreting():
         return 4, 1
     block_d1, block_d2 = dim_blocks(problem)
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
     stages = pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2)
-    return (4 if max(block_d1, block_d2) <= 64 else 8), stages
+    return TUNE.get("kv", (8 if block_k * max(block_d1, block_d2) > 64 * 64 else 4, stages))
 
 
-def _grad_buffer(t: torch.Tensor, varlen: bool) -> torch.Tensor:
+#: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
+#: "kv_tiles" -> (block_q, block_k), "kv" -> (warps, stages).
+TUNE: dict = {}
+
+
+def _grad_buffer(t: torch.Tensor, varlen: bool, dtype=None) -> torch.Tensor:
     # varlen rows past cu_seqlens[-1] are never visited: they start at 0
-    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if varlen else torch.empty(t.shape, dtype=t.dtype,
-                                                                                          device=t.device)
+    dtype = t.dtype if dtype is None else dtype
+    if varlen:
+        return torch.zeros(t.shape, dtype=dtype, device=t.device)
+    return torch.empty(t.shape, dtype=dtype, device=t.device)
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule: TileSchedule, needs):
     """Launch the backward: (dq1, dk1, dq2, dk2) in the input dtype, None where not needed."""
     varlen = problem.is_varlen
-    grads = [_grad_buffer(t, varlen) if need else None for t, need in zip((q1, k1, q2, k2), needs)]
+    need_dq1, need_dk1, need_dq2, need_dk2 = needs
+    atomic = not problem.deterministic
     if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
-        return tuple(None if g is None else g.zero_() for g in grads)
+        return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
+    dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
+    dk2 = _grad_buffer(k2, varlen) if need_dk2 else None
+    if atomic:  # float32 accumulators, every visit adds into them
+        dq1 = torch.zeros(q1.shape, dtype=torch.float32, device=q1.device) if need_dq1 else None
+        dq2 = torch.zeros(q2.shape, dtype=torch.float32, device=q2.device) if need_dq2 else None
+    else:
+        dq1 = _grad_buffer(q1, varlen) if need_dq1 else None
+        dq2 = _grad_buffer(q2, varlen) if need_dq2 else None
     grad_rows = grad_rows.float()
-    block_q, block_k = schedule.block_q, schedule.block_k
     block_d1, block_d2 = dim_blocks(problem)
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
     left, right = window_bounds(problem)
     cu_q, cu_k = varlen_args(problem, schedule.kv_count)
-    mask1 = mask_args(problem.mask1, schedule.kv_partial)
-    mask2 = mask_args(problem.mask2, schedule.kv_partial)
     ieee = problem.dtype == torch.float32
     common_strides = (
         *head_strides(q1, varlen), *head_strides(k1, varlen),
         *head_strides(q2, varlen), *head_strides(k2, varlen),
         *row_strides(grad_rows, varlen), *stat_strides(lse1, varlen),
     )
-    mask_tail = (*mask1[1:5], *mask2[1:5], mask1[5], mask1[6], mask2[5], mask2[6])
-    flags = dict(
-        BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2, USE_VARLEN=varlen,
-        HAS_MASK1=problem.mask1 is not None, HAS_MASK2=problem.mask2 is not None, IEEE=ieee,
-    )
-    dq1, dk1, dq2, dk2 = grads
+    flags = dict(BLOCK_D1=block_d1, BLOCK_D2=block_d2, USE_VARLEN=varlen, EVEN_D=even_dims(problem), IEEE=ieee)
     placeholder = lse1  # any tensor, for the pointers of gradients not asked for
 
     def out_strides(t):
         return head_strides(t, varlen) if t is not None else (0, 0, 0)
 
-    if needs[0] or needs[2]:
+    if not atomic and (need_dq1 or need_dq2):
+        block_q, block_k = schedule.block_q, schedule.block_k
+        check_tiles(problem, block_q, block_k)
         rows, num_warps, num_stages = bwd_config(problem, block_q, block_k)
         sub_tiles = block_q // rows
         q_programs = num_q_tiles(problem, block_q) * sub_tiles
@@ -370,40 +470,53 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         args = (
             q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             placeholder if dq1 is None else dq1, placeholder if dq2 is None else dq2,
-            cu_q, cu_k, schedule.kv_count, schedule.kv_index, schedule.kv_partial, mask1[0], mask2[0],
+            cu_q, cu_k, schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial,
             *common_strides, *out_strides(dq1), *out_strides(dq2),
             *broadcast_strides(schedule.kv_count), *broadcast_strides(schedule.kv_index)[:3],
-            *mask_tail,
             problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
             scale1, scale2, left, right, problem.dim1, problem.dim2, q_programs,
         )
-        constexprs = dict(SUB_TILES=sub_tiles, BLOCK_Q=rows, NEED_DQ1=needs[0], NEED_DQ2=needs[2], **flags)
+        constexprs = dict(SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, NEED_DQ1=need_dq1, NEED_DQ2=need_dq2,
+                          **flags)
         launch(_kl_bwd_dq_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
                **constexprs)
 
-    if needs[1] or needs[3]:
+    side1 = need_dk1 or (atomic and need_dq1)
+    side2 = need_dk2 or (atomic and need_dq2)
+    if side1 or side2:
+        block_q, block_k = kv_tiles(problem, schedule)
+        check_tiles(problem, block_q, block_k)
+        if (block_q, block_k) != (schedule.block_q, schedule.block_k):
+            schedule = get_schedule(problem, block_q, block_k)
         keys = get_key_schedule(schedule)
         # one launch when both sides group query heads alike, else one per side
-        if needs[1] and needs[3] and group1 != group2:
+        if side1 and side2 and group1 != group2:
             launches = [(group1, True, False), (group2, False, True)]
         else:
-            launches = [(group1 if needs[1] else group2, needs[1], needs[3])]
-        num_warps, num_stages = dk_config(problem, block_q, block_k)
-        for group_drive, need1, need2 in launches:
-            k_programs = num_k_tiles(problem, block_k)
+            launches = [(group1 if side1 else group2, side1, side2)]
+        num_warps, num_stages = kv_config(problem, block_q, block_k)
+        k_programs = num_k_tiles(problem, block_k)
+        for group_drive, on1, on2 in launches:
+            atomic1, atomic2 = on1 and atomic and need_dq1, on2 and atomic and need_dq2
             grid = (k_programs * problem.batch * (problem.heads // group_drive),)
             args = (
                 q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
-                dk1 if need1 else placeholder, dk2 if need2 else placeholder,
-                cu_q, cu_k, keys.q_count, keys.q_index, keys.q_partial, mask1[0], mask2[0],
-                *common_strides, *out_strides(dk1 if need1 else None), *out_strides(dk2 if need2 else None),
+                dk1 if on1 and need_dk1 else placeholder, dk2 if on2 and need_dk2 else placeholder,
+                dq1 if atomic1 else placeholder, dq2 if atomic2 else placeholder,
+                cu_q, cu_k, keys.q_count, keys.q_full, keys.q_index, keys.q_partial,
+                *common_strides, *out_strides(dk1), *out_strides(dk2),
+                *out_strides(dq1 if atomic else None), *out_strides(dq2 if atomic else None),
                 *broadcast_strides(keys.q_count), *broadcast_strides(keys.q_index)[:3],
-                *mask_tail,
                 problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2, group_drive,
                 scale1, scale2, left, right, problem.dim1, problem.dim2, k_programs,
             )
-            constexprs = dict(BLOCK_Q=block_q, NEED_DK1=need1, NEED_DK2=need2, **flags)
-            launch(_kl_bwd_dk_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps,
+            constexprs = dict(
+                BLOCK_Q=block_q, BLOCK_K=block_k, NEED_DK1=on1 and need_dk1, NEED_DK2=on2 and need_dk2,
+                ATOMIC_DQ1=atomic1, ATOMIC_DQ2=atomic2, **flags,
+            )
+            launch(_kl_bwd_kv_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps,
                    num_stages, **constexprs)
-    return tuple(grads)
-
+    if atomic:
+        dq1 = dq1.to(q1.dtype) if dq1 is not None else None
+        dq2 = dq2.to(q2.dtype) if dq2 is not None else None
+    return dq1, dk1, dq2, dk2

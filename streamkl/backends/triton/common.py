@@ -13,12 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from streamkl.problem import Problem, SideMask
+from streamkl.problem import Problem
+from streamkl.sparse.schedule import OFF1, OFF2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LOG2E_K = tl.constexpr(LOG2E)  # the same, readable inside kernels
 LN2_K = tl.constexpr(LN2)
+OFF1_K = tl.constexpr(OFF1)
+OFF2_K = tl.constexpr(OFF2)
 
 
 def interpreting() -> bool:
@@ -69,16 +72,12 @@ def _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right):
 
 
 @triton.jit
-def _side_allowed(m_struct, o_i, o_j, p_pattern, stride_mq, stride_mk, mask_block_q, mask_block_k,
-                  HAS_MASK: tl.constexpr):
-    """[BQ, BK] bool: one side's block pattern (already offset to its sequence and head) on top
-    of the structural mask; rows and keys are sequence-local."""
-    if HAS_MASK:
-        p_block = p_pattern + (o_i // mask_block_q)[:, None] * stride_mq + (o_j // mask_block_k)[None, :] * stride_mk
-        b_block = tl.load(p_block, mask=m_struct, other=0)
-        return m_struct & (b_block != 0)
-    else:
-        return m_struct
+def _partial_allowed(flags, o_i, o_j, len_q, len_k, window_left, window_right):
+    """(allowed1, allowed2) [BQ, BK] of a partial tile: the structural mask, less the sides whose
+    block pattern the schedule flags as off for the whole tile (Triton tiles never straddle a mask
+    block, so a pattern is uniform over a tile and no pattern load is needed)."""
+    m_struct = _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right)
+    return m_struct & ((flags & OFF1_K) == 0), m_struct & ((flags & OFF2_K) == 0)
 
 
 @triton.jit
@@ -131,14 +130,20 @@ def broadcast_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
 
 
-def mask_args(mask: SideMask | None, dummy: torch.Tensor):
-    """(pattern as uint8, its 4 broadcast strides, block_q, block_k) for one side."""
-    if mask is None:
-        return (dummy, 0, 0, 0, 0, 1, 1)
-    pattern = mask.pattern
-    if pattern.dtype == torch.bool:
-        pattern = pattern.view(torch.uint8)
-    return (pattern, *broadcast_strides(pattern), mask.block_q, mask.block_k)
+def check_tiles(problem: Problem, block_q: int, block_k: int) -> None:
+    """The kernels read block patterns only through the schedule's flags: tiles must not straddle
+    mask blocks (tile sizes and mask blocks are powers of two, tiles no larger)."""
+    for mask in (problem.mask1, problem.mask2):
+        if mask is not None and (mask.block_q % block_q or mask.block_k % block_k):
+            raise RuntimeError(
+                f"streamkl triton: tiles ({block_q}, {block_k}) straddle mask blocks ({mask.block_q}, {mask.block_k})"
+            )
+
+
+def even_dims(problem: Problem) -> bool:
+    """Head dims equal to their power-of-two blocks: no column masks on loads."""
+    block_d1, block_d2 = dim_blocks(problem)
+    return block_d1 == problem.dim1 and block_d2 == problem.dim2
 
 
 def varlen_args(problem: Problem, dummy: torch.Tensor):

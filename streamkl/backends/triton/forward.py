@@ -14,16 +14,16 @@ from streamkl.backends.triton.common import (
     LN2,
     LN2_K,
     _dot,
-    _side_allowed,
-    _structural_allowed,
+    _partial_allowed,
     broadcast_strides,
+    check_tiles,
     dim_blocks,
+    even_dims,
     group_sizes,
     head_strides,
     interpreting,
     launch,
     log2_scales,
-    mask_args,
     num_q_tiles,
     pipeline_stages,
     row_strides,
@@ -36,13 +36,62 @@ from streamkl.sparse.schedule import TileSchedule
 
 
 @triton.jit
+def _fwd_step(
+    b_q1, b_q2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start, window_left, window_right,
+    stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
+    b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
+    BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One key tile of the online statistics. MASKED=False: a full tile (every key in range and
+    allowed on both sides, every row in range): no masks, no -inf guards."""
+    o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    o_keys = (k_start + o_j).to(tl.int64)
+    p_kt1 = p_k1 + o_keys[None, :] * stride_k1n
+    p_kt2 = p_k2 + o_keys[None, :] * stride_k2n
+    if MASKED:
+        m_j = o_j < len_k
+        b_k1 = tl.load(p_kt1, mask=m_d1[:, None] & m_j[None, :], other=0.0)  # [BD1, BK]
+        b_k2 = tl.load(p_kt2, mask=m_d2[:, None] & m_j[None, :], other=0.0)  # [BD2, BK]
+    elif EVEN_D:
+        b_k1 = tl.load(p_kt1)
+        b_k2 = tl.load(p_kt2)
+    else:
+        b_k1 = tl.load(p_kt1, mask=m_d1[:, None], other=0.0)
+        b_k2 = tl.load(p_kt2, mask=m_d2[:, None], other=0.0)
+    b_s1 = _dot(b_q1, b_k1, IEEE) * scale1  # [BQ, BK], log2 units
+    b_s2 = _dot(b_q2, b_k2, IEEE) * scale2  # [BQ, BK]
+    if MASKED:
+        m_a1, m_a2 = _partial_allowed(flags, o_i, o_j, len_q, len_k, window_left, window_right)
+        b_s1 = tl.where(m_a1, b_s1, float("-inf"))
+        b_s2 = tl.where(m_a2, b_s2, float("-inf"))
+        b_diff = tl.where(m_a1 & m_a2, b_s1 - b_s2, 0.0)
+        b_uncovered = tl.maximum(b_uncovered, tl.max((m_a1 & ~m_a2).to(tl.int32), axis=1))
+        b_m1_new = tl.maximum(b_m1, tl.max(b_s1, axis=1))
+        b_m2_new = tl.maximum(b_m2, tl.max(b_s2, axis=1))
+        # rows without any key yet keep max -inf: shift by 0 there so no inf - inf appears
+        b_shift1 = tl.where(b_m1_new == float("-inf"), 0.0, b_m1_new)
+        b_shift2 = tl.where(b_m2_new == float("-inf"), 0.0, b_m2_new)
+    else:
+        b_diff = b_s1 - b_s2
+        b_m1_new = tl.maximum(b_m1, tl.max(b_s1, axis=1))
+        b_m2_new = tl.maximum(b_m2, tl.max(b_s2, axis=1))
+        b_shift1 = b_m1_new
+        b_shift2 = b_m2_new
+    b_alpha1 = tl.exp2(b_m1 - b_shift1)
+    b_e1 = tl.exp2(b_s1 - b_shift1[:, None])  # [BQ, BK]
+    b_l1 = b_l1 * b_alpha1 + tl.sum(b_e1, axis=1)
+    b_acc = b_acc * b_alpha1 + tl.sum(b_e1 * b_diff, axis=1)
+    b_l2 = b_l2 * tl.exp2(b_m2 - b_shift2) + tl.sum(tl.exp2(b_s2 - b_shift2[:, None]), axis=1)
+    return b_m1_new, b_m2_new, b_l1, b_l2, b_acc, b_uncovered
+
+
+@triton.jit
 def _kl_fwd_kernel(
     Q1, K1, Q2, K2,
     KL, LSE1, LSE2, EXPECT,
     PARTS,  # split-K only: raw statistics [6, splits, *lse shape], laid out like lse per (stat, split)
     CU_Q, CU_K,
-    KV_COUNT, KV_INDEX, KV_PARTIAL,
-    MASK1, MASK2,
+    KV_COUNT, KV_FULL, KV_INDEX, KV_FLAGS,
     stride_q1b, stride_q1n, stride_q1h,
     stride_k1b, stride_k1n, stride_k1h,
     stride_q2b, stride_q2n, stride_q2h,
@@ -51,9 +100,6 @@ def _kl_fwd_kernel(
     stride_sb, stride_sh, stride_sn,
     stride_cs, stride_ch, stride_ct,
     stride_is, stride_ih, stride_it,
-    stride_m1s, stride_m1h, stride_m1q, stride_m1k,
-    stride_m2s, stride_m2h, stride_m2q, stride_m2k,
-    mask1_block_q, mask1_block_k, mask2_block_q, mask2_block_k,
     seqlen_q, seqlen_k, heads, group1, group2,
     scale1, scale2,  # scale * log2(e)
     window_left, window_right,
@@ -62,7 +108,7 @@ def _kl_fwd_kernel(
     SUB_TILES: tl.constexpr,  # programs per schedule query tile
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-    USE_VARLEN: tl.constexpr, HAS_MASK1: tl.constexpr, HAS_MASK2: tl.constexpr,
+    USE_VARLEN: tl.constexpr, DENSE_KEYS: tl.constexpr, EVEN_D: tl.constexpr,
     IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # one flat grid axis, query tiles fastest (no 65535 limit on sequences x heads); last query
@@ -100,11 +146,9 @@ def _kl_fwd_kernel(
     # key heads of this query head, per side (GQA); key tiles are loaded transposed
     p_k1 = K1 + seq64 * stride_k1b + (head // group1) * stride_k1h + o_d1[:, None]
     p_k2 = K2 + seq64 * stride_k2b + (head // group2) * stride_k2h + o_d2[:, None]
-    p_count = KV_COUNT + seq * stride_cs + head * stride_ch + tile * stride_ct
+    o_count = seq * stride_cs + head * stride_ch + tile * stride_ct
     p_index = KV_INDEX + seq * stride_is + head * stride_ih + tile * stride_it
-    p_partial = KV_PARTIAL + seq * stride_is + head * stride_ih + tile * stride_it
-    p_mask1 = MASK1 + seq * stride_m1s + head * stride_m1h
-    p_mask2 = MASK2 + seq * stride_m2s + head * stride_m2h
+    p_flags = KV_FLAGS + seq * stride_is + head * stride_ih + tile * stride_it
 
     b_m1 = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     b_m2 = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -113,45 +157,38 @@ def _kl_fwd_kernel(
     b_acc = tl.zeros([BLOCK_Q], tl.float32)
     b_uncovered = tl.zeros([BLOCK_Q], tl.int32)
 
-    n_visit = tl.load(p_count)
-    first_visit = 0
+    n_visit = tl.load(KV_COUNT + o_count)
+    n_full = tl.load(KV_FULL + o_count)
+    lo = 0
+    hi = n_visit
     if SPLIT:  # this program streams one slice of the key-tile list; a combine step merges slices
-        first_visit = tl.program_id(1) * visits_per_split
-        n_visit = tl.minimum(n_visit, first_visit + visits_per_split)
-    for visit in range(first_visit, n_visit):
-        k_tile = tl.load(p_index + visit)
-        partial = tl.load(p_partial + visit)
-        o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        m_j = o_j < len_k
-        o_keys = (k_start + o_j).to(tl.int64)
-        b_k1 = tl.load(p_k1 + o_keys[None, :] * stride_k1n, mask=m_d1[:, None] & m_j[None, :], other=0.0)  # [BD1, BK]
-        b_k2 = tl.load(p_k2 + o_keys[None, :] * stride_k2n, mask=m_d2[:, None] & m_j[None, :], other=0.0)  # [BD2, BK]
-        b_s1 = _dot(b_q1, b_k1, IEEE) * scale1  # [BQ, BK], log2 units
-        b_s2 = _dot(b_q2, b_k2, IEEE) * scale2  # [BQ, BK]
-        if partial != 0:
-            m_struct = _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right)
-            m_a1 = _side_allowed(m_struct, o_i, o_j, p_mask1, stride_m1q, stride_m1k, mask1_block_q, mask1_block_k,
-                                 HAS_MASK1)
-            m_a2 = _side_allowed(m_struct, o_i, o_j, p_mask2, stride_m2q, stride_m2k, mask2_block_q, mask2_block_k,
-                                 HAS_MASK2)
-            b_s1 = tl.where(m_a1, b_s1, float("-inf"))
-            b_s2 = tl.where(m_a2, b_s2, float("-inf"))
-            b_diff = tl.where(m_a1 & m_a2, b_s1 - b_s2, 0.0)
-            b_uncovered = tl.maximum(b_uncovered, tl.max((m_a1 & ~m_a2).to(tl.int32), axis=1))
+        lo = tl.program_id(1) * visits_per_split
+        hi = tl.minimum(n_visit, lo + visits_per_split)
+    # the full tiles (listed first): no masks; without block masks they are consecutive key tiles
+    k_first = 0
+    if DENSE_KEYS:
+        k_first = tl.load(p_index)
+    for visit in range(lo, tl.minimum(n_full, hi)):
+        if DENSE_KEYS:
+            k_tile = k_first + visit
         else:
-            b_diff = b_s1 - b_s2
-        b_m1_new = tl.maximum(b_m1, tl.max(b_s1, axis=1))
-        b_m2_new = tl.maximum(b_m2, tl.max(b_s2, axis=1))
-        # rows without any key yet keep max -inf: shift by 0 there so no inf - inf appears
-        b_shift1 = tl.where(b_m1_new == float("-inf"), 0.0, b_m1_new)
-        b_shift2 = tl.where(b_m2_new == float("-inf"), 0.0, b_m2_new)
-        b_alpha1 = tl.exp2(b_m1 - b_shift1)
-        b_e1 = tl.exp2(b_s1 - b_shift1[:, None])  # [BQ, BK]
-        b_l1 = b_l1 * b_alpha1 + tl.sum(b_e1, axis=1)
-        b_acc = b_acc * b_alpha1 + tl.sum(b_e1 * b_diff, axis=1)
-        b_l2 = b_l2 * tl.exp2(b_m2 - b_shift2) + tl.sum(tl.exp2(b_s2 - b_shift2[:, None]), axis=1)
-        b_m1 = b_m1_new
-        b_m2 = b_m2_new
+            k_tile = tl.load(p_index + visit)
+        b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered = _fwd_step(
+            b_q1, b_q2, p_k1, p_k2, k_tile, 0, o_i, len_q, len_k, k_start, window_left, window_right,
+            stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
+            b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
+            BLOCK_K=BLOCK_K, MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE,
+        )
+    # then the partial tiles, masked as their flags say
+    for visit in range(tl.maximum(n_full, lo), hi):
+        k_tile = tl.load(p_index + visit)
+        flags = tl.load(p_flags + visit).to(tl.int32)
+        b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered = _fwd_step(
+            b_q1, b_q2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start, window_left, window_right,
+            stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
+            b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
+            BLOCK_K=BLOCK_K, MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE,
+        )
 
     o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
     if SPLIT:
@@ -207,10 +244,10 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
     left, right = window_bounds(problem)
+    check_tiles(problem, block_q, block_k)
     cu_q, cu_k = varlen_args(problem, schedule.kv_count)
-    mask1 = mask_args(problem.mask1, schedule.kv_partial)
-    mask2 = mask_args(problem.mask2, schedule.kv_partial)
     count_strides = broadcast_strides(schedule.kv_count)
+    assert broadcast_strides(schedule.kv_full) == count_strides
     index_strides = broadcast_strides(schedule.kv_index)[:3]
     assert broadcast_strides(schedule.kv_partial)[:3] == index_strides
     q_programs = num_q_tiles(problem, block_q) * sub_tiles
@@ -227,22 +264,19 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
         kl_rows, lse1, lse2, expect,
         parts,
         cu_q, cu_k,
-        schedule.kv_count, schedule.kv_index, schedule.kv_partial,
-        mask1[0], mask2[0],
+        schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial,
         *head_strides(q1, varlen), *head_strides(k1, varlen),
         *head_strides(q2, varlen), *head_strides(k2, varlen),
         *row_strides(kl_rows, varlen), *stat_strides(lse1, varlen),
         *count_strides, *index_strides,
-        *mask1[1:5], *mask2[1:5],
-        mask1[5], mask1[6], mask2[5], mask2[6],
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
         scale1, scale2, left, right, problem.dim1, problem.dim2,
         q_programs, visits_per_split, parts.stride(0) if splits > 1 else 0, parts.stride(1) if splits > 1 else 0,
     )
     constexprs = dict(
         SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2,
-        USE_VARLEN=varlen, HAS_MASK1=problem.mask1 is not None, HAS_MASK2=problem.mask2 is not None,
-        IEEE=problem.dtype == torch.float32, SPLIT=splits > 1,
+        USE_VARLEN=varlen, DENSE_KEYS=problem.mask1 is None and problem.mask2 is None,
+        EVEN_D=even_dims(problem), IEEE=problem.dtype == torch.float32, SPLIT=splits > 1,
     )
     launch(_kl_fwd_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
            **constexprs)
