@@ -225,7 +225,12 @@ def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     rows = min(block_q, 64 if big else 128)
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize  # one query or key row, both sides
     stages = pipeline_stages(block_k * row_bytes, rows * row_bytes)
-    return rows, 8 if rows >= 128 or big else 4, stages
+    rows, warps, stages = TUNE.get("fwd", (rows, 8 if rows >= 128 or big else 4, stages))
+    return min(rows, block_q), warps, stages
+
+
+#: GPU tuning overrides (benchmarks/tune_h200.py): "fwd" -> (rows, warps, stages).
+TUNE: dict = {}
 
 
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):

@@ -1,0 +1,218 @@
+"""Kernel configuration sweep on the GPU: the Triton forward and backward under several tile /
+warp / pipeline settings against SDPA flash at the issue #5 shapes, plus a correctness check of
+every configuration against the float64 reference on a small causal GQA problem.
+
+    python benchmarks/tune_h200.py --out results_dir      # one GPU call, ~3-5 min
+
+Writes tune.json (every timing) and prints one line per measurement. Timings: triton.testing.do_bench
+(L2 flushed before each call), median ms. Backward = fwd+bwd - fwd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import streamkl  # noqa: E402
+import streamkl.backends.triton as tb  # noqa: E402
+from streamkl.backends.triton import backward as tbwd  # noqa: E402
+from streamkl.backends.triton import forward as tfwd  # noqa: E402
+
+ORIGINAL_TILES = tb._tile_sizes
+
+
+def bench(fn, rep=200, grads=None):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=grads, return_mode="median")
+
+
+def kl_fn(x, backward=False, **kwargs):
+    """A timed call: streamkl.kl on the triton backend, with or without its backward."""
+
+    def fn():
+        out = streamkl.kl(*x, backend="triton", **kwargs)
+        if backward:
+            out.backward()
+
+    return fn
+
+
+def inputs(n, h, d, dtype=torch.bfloat16, grads=(False, False, False, False), batch=1):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for need in grads:
+        t = torch.randn(batch, n, h, d, device="cuda", dtype=dtype, generator=g)
+        out.append(t.requires_grad_(need))
+    return out
+
+
+def sdpa_times(n, h, d, causal):
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        both = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward(),
+                     grads=[q, k, v])
+    return fwd, both - fwd
+
+
+def set_config(cfg):
+    tfwd.TUNE.clear()
+    tbwd.TUNE.clear()
+    tb._tile_sizes = ORIGINAL_TILES
+    if "tiles" in cfg:
+        tiles = cfg["tiles"]
+        tb._tile_sizes = lambda *a, **k: tiles
+    if "fwd" in cfg:
+        tfwd.TUNE["fwd"] = cfg["fwd"]
+    if "kv_tiles" in cfg:
+        tbwd.TUNE["kv_tiles"] = cfg["kv_tiles"]
+    if "kv" in cfg:
+        tbwd.TUNE["kv"] = cfg["kv"]
+    if "dq" in cfg:
+        tbwd.TUNE["dq"] = cfg["dq"]
+
+
+def check(cfg):
+    """Accuracy of this configuration on a small causal GQA bf16 problem (default and deterministic)."""
+    from helpers import check_against_reference, make_inputs
+
+    set_config(cfg)
+    x = make_inputs((1, 1500), (1, 1500), 4, (2, 4), (128, 128), torch.bfloat16, "cuda")
+    check_against_reference(x, "triton", causal=True)
+    check_against_reference(x, "triton", causal=True, deterministic=True)
+    x = make_inputs((1, 1000), (1, 1000), 4, (4, 4), (64, 64), torch.bfloat16, "cuda")
+    check_against_reference(x, "triton", window=(300, 0))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--section", default="fwd,bwd,sparse")
+    parser.add_argument("--fwd-configs", default=None, help="JSON list of configs")
+    parser.add_argument("--bwd-configs", default=None, help="JSON list of configs")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+               command=" ".join(sys.argv))
+    print(json.dumps(env), flush=True)
+    n, h = args.n, args.heads
+    sections = args.section.split(",")
+    start = time.time()
+
+    def record(**row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    sdpa = {}
+    for d in (128, 64):
+        for causal in (False, True):
+            sdpa[d, causal] = sdpa_times(n, h, d, causal)
+            record(kind="sdpa", d=d, causal=causal, fwd=sdpa[d, causal][0], bwd=sdpa[d, causal][1])
+
+    fwd_configs = json.loads(args.fwd_configs) if args.fwd_configs else [
+        {},
+        {"tiles": (128, 64), "fwd": (128, 8, 2)},
+        {"tiles": (128, 64), "fwd": (128, 8, 4)},
+        {"tiles": (128, 128), "fwd": (128, 8, 2)},
+        {"tiles": (128, 128), "fwd": (128, 8, 3)},
+        {"tiles": (128, 64), "fwd": (64, 4, 3)},
+        {"tiles": (128, 32), "fwd": (128, 8, 3)},
+    ]
+    bwd_configs = json.loads(args.bwd_configs) if args.bwd_configs else [
+        {},
+        {"kv_tiles": (64, 128), "kv": (8, 1)},
+        {"kv_tiles": (64, 128), "kv": (4, 2)},
+        {"kv_tiles": (32, 128), "kv": (4, 2)},
+        {"kv_tiles": (64, 64), "kv": (4, 2)},
+        {"kv_tiles": (128, 128), "kv": (8, 2)},
+        {"kv_tiles": (64, 128), "kv": (8, 3)},
+    ]
+    if "fwd" in sections:
+        for cfg in fwd_configs:
+            for d in (128, 64):
+                for causal in (False, True):
+                    set_config(cfg)
+                    try:
+                        x = inputs(n, h, d)
+                        t = bench(kl_fn(x, causal=causal))
+                        record(kind="fwd", cfg=cfg, d=d, causal=causal, ms=t, vs_sdpa=t / sdpa[d, causal][0])
+                    except Exception as exc:  # noqa: BLE001
+                        record(kind="fwd", cfg=cfg, d=d, causal=causal, error=repr(exc)[:300])
+    if "bwd" in sections:
+        set_config({})
+        fwd_ms = {}
+        for d in (128, 64):
+            for causal in (False, True):
+                x = inputs(n, h, d)
+                fwd_ms[d, causal] = bench(kl_fn(x, causal=causal))
+        for cfg in bwd_configs:
+            for d in (128, 64):
+                for causal in (False, True):
+                    for mode, grads in (("student", (False, False, True, True)), ("all", (True,) * 4)):
+                        if mode == "all" and d == 64:
+                            continue
+                        for det in (False, True):
+                            if det and cfg:
+                                continue
+                            set_config(cfg)
+                            try:
+                                x = inputs(n, h, d, grads=grads)
+                                leaves = [t for t in x if t.requires_grad]
+                                fn = kl_fn(x, True, causal=causal, deterministic=det)
+                                t = bench(fn, grads=leaves) - fwd_ms[d, causal]
+                                record(kind="bwd", cfg=cfg, d=d, causal=causal, mode=mode, deterministic=det, ms=t,
+                                       vs_sdpa=t / sdpa[d, causal][1])
+                                del leaves
+                            except Exception as exc:  # noqa: BLE001
+                                record(kind="bwd", cfg=cfg, d=d, causal=causal, mode=mode, deterministic=det,
+                                       error=repr(exc)[:300])
+    if "sparse" in sections:
+        set_config({})
+        d = 128
+        for sparsity in (0.0, 0.9):
+            g = torch.Generator(device="cuda").manual_seed(1)
+            nb = n // 128
+            pattern = torch.rand(1, h, nb, nb, device="cuda", generator=g) >= sparsity
+            mask = streamkl.BlockMask.from_dense(pattern, 128)
+            x = inputs(n, h, d)
+            t = bench(kl_fn(x, mask1=mask, mask2=mask))
+            xs = inputs(n, h, d, grads=(False, False, True, True))
+            tb_ = bench(kl_fn(xs, True, mask1=mask, mask2=mask), grads=xs[2:])
+            record(kind="sparse", sparsity=sparsity, fwd=t, fwdbwd_student=tb_)
+        x = inputs(n, h, d)
+        t = bench(kl_fn(x))
+        xs = inputs(n, h, d, grads=(False, False, True, True))
+        tb_ = bench(kl_fn(xs, True), grads=xs[2:])
+        record(kind="sparse", sparsity="nomask", fwd=t, fwdbwd_student=tb_)
+    if "check" in sections:
+        for cfg in fwd_configs + bwd_configs:
+            try:
+                check(cfg)
+                record(kind="check", cfg=cfg, ok=True)
+            except Exception as exc:  # noqa: BLE001
+                record(kind="check", cfg=cfg, ok=False, error=repr(exc)[:300])
+    set_config({})
+    env["seconds"] = time.time() - start
+    (out / "tune.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
