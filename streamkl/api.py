@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from streamkl.autograd import pack_problem
+from streamkl.autograd import kl_forward
 from streamkl.dispatch import choose_backend
 from streamkl.problem import build_problem, check_output_options
 
@@ -55,13 +55,10 @@ def kl(
         mask1=mask1,
         mask2=mask2,
         deterministic=deterministic,
-        check_values=_may_sync(),
+        check_values=cu_seqlens is not None and _may_sync(),  # only varlen checks read values
     )
     impl = choose_backend(problem, backend)
-    cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem)
-    kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(
-        q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats, impl.name
-    )
+    kl_rows, lse1, lse2 = kl_forward(problem, impl, q1, k1, q2, k2)
     out = reduce_rows(kl_rows, lse1, reduction)
     if return_lse:
         return out, lse1.detach(), lse2.detach()
@@ -82,5 +79,5 @@ def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str) -> to
     total = kl_rows.sum()
     if reduction == "sum":
         return total
-    count = (lse1 != NEG_INF).sum().clamp(min=1)
-    return total / count.to(total.dtype)
+    count = (lse1 != NEG_INF).sum().clamp_(min=1)  # int64; the division is done in float32
+    return total / count

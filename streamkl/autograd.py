@@ -3,17 +3,22 @@
 `streamkl::kl_forward` and `streamkl::kl_backward` carry the problem as plain tensors, ints,
 floats and a backend name, with fake (meta) implementations, so `torch.compile(fullgraph=True)`
 sees two opaque ops and no graph break. The backend chosen in forward also runs the backward.
+
+Plain eager calls take `_EagerKL`, an autograd.Function running the very same forward and backward
+(`run_forward`, `run_backward`) on the front end's already validated `Problem`: the custom-op
+machinery costs more host time per call than the rest of the front end, and eager needs none of it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
+from streamkl.backends.base import Backend
 from streamkl.dispatch import get_backend
-from streamkl.problem import Problem, SideMask, build_problem
+from streamkl.problem import Problem, SideMask, describe_problem
 from streamkl.sparse.schedule import get_schedule
+
+NEG_INF = float("-inf")
 
 # ints carried through the op, in this order
 _INT_FIELDS = (
@@ -49,32 +54,39 @@ def pack_problem(problem: Problem):
 
 
 def unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats) -> Problem:
-    values = dict(zip(_INT_FIELDS, ints))
-    varlen = cu_q is not None
-    problem = build_problem(
+    """The inverse of `pack_problem`. No validation: the front end checked these arguments before
+    packing them (`build_problem`), so the op does not check them a second time."""
+    (causal, left, right, seqlen_q, seqlen_k, block1_q, block1_k, block2_q, block2_k, deterministic) = ints
+    return describe_problem(
         q1,
         k1,
         q2,
         k2,
-        scale1=floats[0],
-        scale2=floats[1],
-        causal=bool(values["causal"]),
-        window=(values["window_left"], values["window_right"]),
-        cu_seqlens=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen=values["max_seqlen_q"] if varlen else None,
-        max_seqlen_k=values["max_seqlen_k"] if varlen else None,
-        deterministic=bool(values["deterministic"]),
-        check_values=False,
+        floats[0],
+        floats[1],
+        bool(causal),
+        (left, right),
+        cu_q,
+        cu_k,
+        seqlen_q,
+        seqlen_k,
+        None if mask1 is None else SideMask(mask1, block1_q, block1_k),
+        None if mask2 is None else SideMask(mask2, block2_q, block2_k),
+        bool(deterministic),
     )
-    sides = {}
-    for side, pattern in (("1", mask1), ("2", mask2)):
-        sides[f"mask{side}"] = (
-            None
-            if pattern is None
-            else SideMask(pattern, values[f"mask{side}_block_q"], values[f"mask{side}_block_k"])
-        )
-    return dataclasses.replace(problem, **sides)
+
+
+def run_forward(problem: Problem, impl: Backend, q1, k1, q2, k2):
+    """(kl_rows, lse1, lse2, expect), schedule: the backend's forward over its tile schedule."""
+    schedule = get_schedule(problem, *impl.tile_sizes(problem))
+    return impl.forward(problem, q1, k1, q2, k2, schedule), schedule
+
+
+def run_backward(problem: Problem, impl: Backend, schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs):
+    """(dq1, dk1, dq2, dk2), None where `needs` is False."""
+    # a row whose side-1 support is empty has KL 0 whatever the scores: its gradient is exactly 0
+    grad_rows = torch.where(_rows_from_lse(lse1, problem.is_varlen) == NEG_INF, 0.0, grad_rows.float())
+    return impl.backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, tuple(needs))
 
 
 def _row_shapes(q1, cu_q):
@@ -100,9 +112,7 @@ def kl_forward_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     problem = unpack_problem(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, mask1, mask2, ints, floats)
-    impl = get_backend(backend)
-    schedule = get_schedule(problem, *impl.tile_sizes(problem))
-    return impl.forward(problem, q1, k1, q2, k2, schedule)
+    return run_forward(problem, get_backend(backend), q1, k1, q2, k2)[0]
 
 
 @kl_forward_op.register_fake
@@ -134,9 +144,7 @@ def kl_backward_op(
     problem = unpack_problem(q1, k1, q2, k2, cu_seqlens_q, cu_seqlens_k, mask1, mask2, ints, floats)
     impl = get_backend(backend)
     schedule = get_schedule(problem, *impl.tile_sizes(problem))
-    # a row whose side-1 support is empty has KL 0 whatever the scores: its gradient is exactly 0
-    grad_rows = torch.where(_rows_from_lse(lse1, cu_seqlens_q is not None) == float("-inf"), 0.0, grad_rows.float())
-    grads = impl.backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, tuple(needs))
+    grads = run_backward(problem, impl, schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (q1, k1, q2, k2)))
 
 
@@ -170,3 +178,62 @@ def _backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
 
 
 torch.library.register_autograd("streamkl::kl_forward", _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------ eager fast path
+class _EagerKL(torch.autograd.Function):
+    """The same forward and backward as the custom ops, for eager calls: the front end's `Problem`
+    and backend go straight to the backend, and the forward's tile schedule to the backward.
+
+    This skips, per call, the ops' re-description of the problem from packed ints, the custom-op
+    wrapper's Python dispatch layers (autograd wrapper, redispatch, alias checks, dynamo guard) and
+    its per-call walk of the op schema in setup_context (`fill_defaults`), which alone cost more
+    than the rest of the front end. Under torch.compile, tracing modes and functorch transforms
+    the front end calls the custom ops instead (see `eager_fast_path`)."""
+
+    @staticmethod
+    def forward(ctx, q1, k1, q2, k2, problem, impl):
+        (kl_rows, lse1, lse2, expect), schedule = run_forward(problem, impl, q1, k1, q2, k2)
+        ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, expect)
+        ctx.problem, ctx.impl, ctx.schedule = problem, impl, schedule
+        ctx.mark_non_differentiable(lse1, lse2, expect)
+        ctx.set_materialize_grads(False)
+        return kl_rows, lse1, lse2, expect
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
+        needs = ctx.needs_input_grad[:4]
+        if grad_rows is None or not any(needs):
+            return (None,) * 6
+        q1, k1, q2, k2, lse1, lse2, expect = ctx.saved_tensors
+        grads = run_backward(ctx.problem, ctx.impl, ctx.schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
+        return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None)
+
+
+def eager_fast_path(tensors) -> bool:
+    """True when `_EagerKL` may stand in for the custom ops: plain eager tensors, no tracing.
+
+    Anything that needs the ops to be opaque (torch.compile / export, a dispatch mode such as
+    FakeTensorMode, make_fx or FlopCounterMode, a functorch transform, a tensor subclass) takes the
+    custom ops."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
+
+
+def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2):
+    """(kl_rows, lse1, lse2) of a validated problem, differentiable in q1, k1, q2, k2 through
+    whichever of the two paths applies."""
+    if eager_fast_path((q1, k1, q2, k2)):
+        if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
+            kl_rows, lse1, lse2, _ = _EagerKL.apply(q1, k1, q2, k2, problem, impl)
+        else:
+            (kl_rows, lse1, lse2, _), _ = run_forward(problem, impl, q1, k1, q2, k2)
+        return kl_rows, lse1, lse2
+    cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem)
+    kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(
+        q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats, impl.name
+    )
+    return kl_rows, lse1, lse2

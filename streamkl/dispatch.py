@@ -14,6 +14,8 @@ from streamkl.problem import Problem
 
 ENV_VAR = "STREAMKL_BACKEND"
 PRIORITY = ("triton", "cupy", "torch")
+_VALID = PRIORITY + ("auto",)
+_NOT_CUDA = "inputs are not on a CUDA device (auto never picks an interpreted GPU kernel)"
 _INSTANCES: dict[str, Backend] = {}
 
 
@@ -43,10 +45,9 @@ def requested_backend(backend: str | None) -> str:
         source = f"${ENV_VAR}"
     if not isinstance(backend, str):
         raise TypeError(f"streamkl.kl: `backend` must be a str or None; got {type(backend).__name__}.")
-    name = backend.strip().lower()
-    valid = PRIORITY + ("auto",)
-    if name not in valid:
-        names = ", ".join(repr(n) for n in valid)
+    name = backend if backend in _VALID else backend.strip().lower()
+    if name not in _VALID:
+        names = ", ".join(repr(n) for n in _VALID)
         raise ValueError(f"streamkl.kl: `{source}` must be one of {names}; got {backend!r}.")
     return name
 
@@ -61,15 +62,19 @@ def choose_backend(problem: Problem, backend: str | None) -> Backend:
                 f"streamkl.kl: backend {name!r} cannot serve these inputs ({problem.describe()}): " + "; ".join(reasons)
             )
         return chosen
+    on_cuda = problem.device.type == "cuda"
+    for candidate in PRIORITY:
+        impl = _load(candidate)
+        # a GPU backend serving CPU tensors runs under an interpreter (tests): never pick it by default,
+        # and don't spend its checks on a call it cannot win (they are only needed for the error below)
+        if (on_cuda or not impl.needs_cuda) and not impl.not_supported_reasons(problem):
+            return impl
     refusals = []
     for candidate in PRIORITY:
         impl = _load(candidate)
         reasons = impl.not_supported_reasons(problem)
-        if not reasons and impl.needs_cuda and problem.device.type != "cuda":
-            # a GPU backend serving CPU tensors runs under an interpreter (tests): never pick it by default
-            reasons = ["inputs are not on a CUDA device (auto never picks an interpreted GPU kernel)"]
-        if not reasons:
-            return impl
+        if not reasons and impl.needs_cuda and not on_cuda:
+            reasons = [_NOT_CUDA]
         refusals.append(f"{candidate}: " + "; ".join(reasons))
     raise ValueError("streamkl.kl: no backend can serve these inputs: " + " | ".join(refusals))
 

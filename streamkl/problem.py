@@ -112,17 +112,18 @@ def _check_tensor(name: str, t: object, ndim: int, layout: str, dtypes=FLOAT_DTY
         _fail(name, "a dense strided tensor (not sparse or nested)", f"layout {t.layout}", TypeError)
     if t.dtype not in dtypes:
         _fail(name, "float16, bfloat16 or float32", t.dtype, TypeError)
-    if t.dim() != ndim:
+    shape = t.shape
+    if len(shape) != ndim:
         hint = ""
         if ndim == 3 and t.dim() == 4:
             hint = " (varlen inputs are packed: drop the batch dimension, see streamkl.varlen.pack)"
         elif ndim == 4 and t.dim() == 3:
             hint = " (3-D inputs are packed sequences: pass cu_seqlens)"
-        _fail(name, f"{ndim}-D {layout}{hint}", f"shape {tuple(t.shape)}")
-    if t.shape[-1] > 0 and t.stride(-1) != 1:
+        _fail(name, f"{ndim}-D {layout}{hint}", f"shape {tuple(shape)}")
+    if shape[-1] == 0:
+        _fail(name, "a tensor with head dimension >= 1", f"shape {tuple(shape)}")
+    if t.stride(-1) != 1:
         _fail(name, "contiguous in its last (head) dimension", f"strides {t.stride()}")
-    if t.shape[-1] == 0:
-        _fail(name, "a tensor with head dimension >= 1", f"shape {tuple(t.shape)}")
     return t
 
 
@@ -260,11 +261,12 @@ def build_problem(
     dtypes = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())  # float64: the reference only
     tensors = [_check_tensor(n, t, ndim, layout, dtypes) for n, t in zip(NAMES, (q1, k1, q2, k2), strict=True)]
     q1, k1, q2, k2 = tensors
+    dtype, device = q1.dtype, q1.device
     for n, t in zip(NAMES[1:], tensors[1:], strict=True):
-        if t.dtype != q1.dtype:
-            _fail(n, f"the same dtype as q1 ({q1.dtype})", t.dtype, TypeError)
-        if t.device != q1.device:
-            _fail(n, f"on the same device as q1 ({q1.device})", t.device)
+        if t.dtype != dtype:
+            _fail(n, f"the same dtype as q1 ({dtype})", t.dtype, TypeError)
+        if t.device != device:
+            _fail(n, f"on the same device as q1 ({device})", t.device)
     if not isinstance(causal, bool):
         _fail("causal", "a bool", type(causal).__name__, TypeError)
     if not isinstance(deterministic, bool):
@@ -301,7 +303,6 @@ def build_problem(
     scale1 = _check_scale("scale1", scale1, dim1)
     scale2 = _check_scale("scale2", scale2, dim2)
 
-    device = q1.device
     if is_varlen:
         total_q, total_k = q1.shape[0], k1.shape[0]
         cu_q = _check_cu_seqlens_meta("cu_seqlens", cu_seqlens, total_q, device)
@@ -346,28 +347,62 @@ def build_problem(
 
     side1 = _side_mask("mask1", mask1, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
     side2 = _side_mask("mask2", mask2, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
+    return describe_problem(
+        q1, k1, q2, k2, scale1, scale2, causal, window, cu_q, cu_k, seqlen_q, seqlen_k, side1, side2, deterministic
+    )
+
+
+def describe_problem(
+    q1: torch.Tensor,
+    k1: torch.Tensor,
+    q2: torch.Tensor,
+    k2: torch.Tensor,
+    scale1: float,
+    scale2: float,
+    causal: bool,
+    window: tuple[int, int],
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    seqlen_q: int,
+    seqlen_k: int,
+    mask1: SideMask | None,
+    mask2: SideMask | None,
+    deterministic: bool,
+) -> Problem:
+    """The `Problem` of arguments already checked by `build_problem`: no validation, no host sync.
+
+    For callers holding the values `build_problem` derived (the custom ops, which get them packed
+    from a front end that validated them): `seqlen_q`, `seqlen_k` are `max_seqlen*` for varlen and
+    ignored for dense inputs (taken from the shapes)."""
+    q1_shape, k1_shape = q1.shape, k1.shape
+    is_varlen = cu_q is not None
+    if is_varlen:
+        batch, total_q, total_k = cu_q.shape[0] - 1, q1_shape[0], k1_shape[0]
+    else:
+        batch, seqlen_q, seqlen_k = q1_shape[0], q1_shape[1], k1_shape[1]
+        total_q = total_k = 0
     return Problem(
         batch=batch,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
-        heads=heads,
-        heads_k1=k1.shape[-2],
+        heads=q1_shape[-2],
+        heads_k1=k1_shape[-2],
         heads_k2=k2.shape[-2],
-        dim1=dim1,
-        dim2=dim2,
+        dim1=q1_shape[-1],
+        dim2=q2.shape[-1],
         scale1=scale1,
         scale2=scale2,
         causal=causal,
         window=window,
         dtype=q1.dtype,
-        device=device,
+        device=q1.device,
         is_varlen=is_varlen,
         total_q=total_q,
         total_k=total_k,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
-        mask1=side1,
-        mask2=side2,
-        needs_grad=tuple(bool(t.requires_grad) for t in tensors),
+        mask1=mask1,
+        mask2=mask2,
+        needs_grad=(q1.requires_grad, k1.requires_grad, q2.requires_grad, k2.requires_grad),
         deterministic=deterministic,
     )

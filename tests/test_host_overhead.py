@@ -1,0 +1,112 @@
+"""The front end's host path: eager calls skip the custom ops but compute exactly what they compute,
+the arguments are validated once per call, and a dense call reads no tensor value on the host.
+No timings are asserted here: benchmarks/host_overhead.py measures them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import make_inputs
+
+import streamkl
+from streamkl import api
+from streamkl import autograd as kl_autograd
+from streamkl.varlen import cu_seqlens_from_lengths
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import host_overhead  # noqa: E402
+
+
+def _cases():
+    dense = make_inputs((2, 40), (2, 56), 4, (2, 1), (16, 8), torch.float32, DEVICE)
+    varlen = make_inputs((70,), (70,), 2, (1, 2), (16, 16), torch.float32, DEVICE)
+    cu = cu_seqlens_from_lengths([30, 0, 33], DEVICE)
+    mask = streamkl.BlockMask.from_dense(torch.rand(1, 1, 3, 4, device=DEVICE) < 0.6, 16)
+    return [
+        (dense, dict(causal=True)),
+        (dense, dict(window=(7, 3), reduction="sum", scale2=0.3)),
+        (dense, dict(mask2=mask, mask1=mask, reduction="none")),
+        (varlen, dict(cu_seqlens=cu, max_seqlen=33, max_seqlen_k=33, causal=True)),
+        (varlen, dict(cu_seqlens=cu)),
+    ]
+
+
+def _grads(inputs, **kwargs):
+    for t in inputs:
+        t.grad = None
+    out, lse1, lse2 = streamkl.kl(*inputs, return_lse=True, backend="torch", **kwargs)
+    # a fixed upstream gradient that is not constant over the rows of reduction="none"
+    weight = torch.linspace(0.5, 1.5, out.numel(), device=out.device).reshape(out.shape)
+    (out.nan_to_num(posinf=0.0) * weight).sum().backward()
+    return [out.detach(), lse1, lse2] + [t.grad.clone() for t in inputs]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_eager_path_matches_custom_ops(case, monkeypatch):
+    """`_EagerKL` and the custom ops (the compiled path) give bitwise the same outputs and grads."""
+    inputs, kwargs = _cases()[case]
+    eager = _grads(inputs, **kwargs)
+    monkeypatch.setattr(kl_autograd, "eager_fast_path", lambda tensors: False)
+    ops = _grads(inputs, **kwargs)
+    for a, b in zip(eager, ops):
+        assert torch.equal(a, b)
+
+
+def test_partial_requires_grad_and_no_grad():
+    q1, k1, q2, k2 = make_inputs((1, 33), (1, 33), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
+    k2.requires_grad_(True)
+    out = streamkl.kl(q1, k1, q2, k2, backend="torch")
+    out.backward()
+    assert k2.grad is not None and q1.grad is None and q2.grad is None
+    with torch.no_grad():
+        again = streamkl.kl(q1, k1, q2, k2, backend="torch")
+    assert not again.requires_grad and torch.equal(again, out.detach())
+    _, lse1, lse2 = streamkl.kl(q1, k1, q2, k2, backend="torch", return_lse=True)
+    assert not lse1.requires_grad and not lse2.requires_grad
+
+
+def test_arguments_are_validated_once_per_call(monkeypatch):
+    calls = []
+    build = api.build_problem
+    monkeypatch.setattr(api, "build_problem", lambda *a, **k: calls.append(1) or build(*a, **k))
+    monkeypatch.setattr(kl_autograd, "unpack_problem", lambda *a: pytest.fail("eager call went through the ops"))
+    inputs = make_inputs((1, 24), (1, 24), 2, (2, 2), (16, 16), torch.float32, DEVICE)
+    streamkl.kl(*inputs, causal=True, backend="torch").backward()
+    assert len(calls) == 1
+
+
+@pytest.fixture
+def stubbed():
+    """The torch backend with host_overhead's output-only stubs (the kernels never run)."""
+    shape = argparse.Namespace(device=DEVICE, dtype=torch.float32, batch=1, seqlen=32, heads=2, heads_k=1, dim=16)
+    inputs = host_overhead.make_inputs(shape)
+    with host_overhead.stub_backend(inputs, "torch"):
+        yield inputs
+
+
+def test_dense_front_end_reads_no_tensor_value(stubbed, monkeypatch):
+    """No host sync on dense inputs (CUDA-graph capture, torch.compile): the front end never turns a
+    tensor into a Python value."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync in the front end")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    q1, k1, q2, k2 = stubbed
+    for reduction in ("mean", "sum", "none"):
+        out = streamkl.kl(q1, k1, q2, k2, causal=True, reduction=reduction, backend="torch")
+        out.sum().backward()
+
+
+def test_benchmark_runs(capsys):
+    results = host_overhead.main(["--iters", "3", "--repeats", "1", "--device", DEVICE])
+    assert set(results) >= {"forward, no_grad", "forward + backward"}
+    # the stubs are gone afterwards: the real backend computes again
+    inputs = make_inputs((1, 24), (1, 24), 2, (2, 2), (16, 16), torch.float32, DEVICE)
+    assert torch.isfinite(streamkl.kl(*inputs, backend="torch"))
