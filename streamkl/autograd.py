@@ -206,7 +206,17 @@ class _EagerKL(torch.autograd.Function):
         if grad_rows is None or not any(needs):
             return (None,) * 6
         q1, k1, q2, k2, lse1, lse2, expect = ctx.saved_tensors
-        grads = run_backward(ctx.problem, ctx.impl, ctx.schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
+        problem, impl = ctx.problem, ctx.impl
+        if torch.is_grad_enabled():
+            # create_graph=True: the backward op, so that a double backward raises as it does on the
+            # ops' path (no autograd formula for kl_backward) instead of silently missing terms
+            cu_q, cu_k, mask1, mask2, ints, floats = pack_problem(problem)
+            grads = torch.ops.streamkl.kl_backward(
+                grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2,
+                ints, floats, impl.name, list(needs),
+            )  # fmt: skip
+        else:
+            grads = run_backward(problem, impl, ctx.schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
         return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None)
 
 
