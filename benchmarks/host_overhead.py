@@ -2,13 +2,15 @@
 
 The selected backend's `forward` / `backward` are replaced by stubs that only allocate outputs of
 the right shapes (see streamkl/backends/base.py), so what is timed is the Python / framework path:
-argument checks, backend choice, the custom ops' dispatch, the tile-schedule cache, autograd.
+argument checks, backend choice, the autograd / custom-op layers, the tile-schedule cache, the
+front end's few torch ops (the reduction, the gradient's empty-row masking).
 
     python benchmarks/host_overhead.py                 # forward and forward+backward, microseconds per call
-    python benchmarks/host_overhead.py --profile fwd   # cProfile of the forward path, top entries
+    python benchmarks/host_overhead.py --ops           # the same through the custom ops (torch.compile's path)
+    python benchmarks/host_overhead.py --profile fwd   # cProfile of the forward path (or fwdbwd), top entries
 
-Runs on the CPU on tiny tensors by default (`--device cuda` times the same path with CUDA tensors:
-there the stubs still launch no kernel, so the numbers are host time too).
+Runs on the CPU on tiny tensors by default. `--device cuda` times the same path with CUDA tensors:
+no streamkl kernel runs, only the front end's torch ops are launched, so it is host time too.
 """
 
 from __future__ import annotations
