@@ -83,6 +83,8 @@ def set_config(cfg):
         tbwd.TUNE["kv"] = cfg["kv"]
     if "dq" in cfg:
         tbwd.TUNE["dq"] = cfg["dq"]
+    if "tma" in cfg:
+        tfwd.TUNE["tma"] = cfg["tma"]
 
 
 def check(cfg):
@@ -117,9 +119,13 @@ def main():
     sections = args.section.split(",")
     start = time.time()
 
+    log = (out / "tune.jsonl").open("a")
+
     def record(**row):
         rows.append(row)
         print(json.dumps(row), flush=True)
+        log.write(json.dumps(row) + "\n")
+        log.flush()
 
     sdpa = {}
     for d in (128, 64):

@@ -396,8 +396,8 @@ def kv_tiles(problem: Problem, schedule: TileSchedule) -> tuple[int, int]:
         return schedule.block_q, schedule.block_k
     block_q, block_k = schedule.block_q, schedule.block_k
     block_d = max(dim_blocks(problem))
-    if problem.dtype.itemsize == 2 and block_d <= 128:
-        block_q, block_k = TUNE.get("kv_tiles", (64, 128))
+    if problem.dtype.itemsize == 2 and block_d <= 128:  # measured on the H200
+        block_q, block_k = TUNE.get("kv_tiles", (64, 128) if block_d <= 64 else (128, 128))
     for mask in (problem.mask1, problem.mask2):
         if mask is not None:
             block_q, block_k = min(block_q, mask.block_q), min(block_k, mask.block_k)
@@ -410,8 +410,8 @@ def kv_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
         return 4, 1
     block_d1, block_d2 = dim_blocks(problem)
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
-    stages = pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2)
-    return TUNE.get("kv", (8 if block_k * max(block_d1, block_d2) > 64 * 64 else 4, stages))
+    stages = pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2, budget=200 * 1024)
+    return TUNE.get("kv", (8 if block_q * block_k * max(block_d1, block_d2) > 64 * 128 * 64 else 4, stages))
 
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),

@@ -40,7 +40,9 @@ def _fwd_step(
     b_q1, b_q2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start, window_left, window_right,
     stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
     b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
+    K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
     BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """One key tile of the online statistics. MASKED=False: a full tile (every key in range and
     allowed on both sides, every row in range): no masks, no -inf guards."""
@@ -48,7 +50,12 @@ def _fwd_step(
     o_keys = (k_start + o_j).to(tl.int64)
     p_kt1 = p_k1 + o_keys[None, :] * stride_k1n
     p_kt2 = p_k2 + o_keys[None, :] * stride_k2n
-    if MASKED:
+    if USE_TMA:
+        # tensor-memory-accelerator loads of [BK, D] rows; rows past the tensor read as 0, rows of
+        # the next sequence only on partial tiles, where the structural mask drops them
+        b_k1 = tl.trans(K1_DESC.load([desc_row + k_tile * BLOCK_K, desc_col1]))
+        b_k2 = tl.trans(K2_DESC.load([desc_row + k_tile * BLOCK_K, desc_col2]))
+    elif MASKED:
         m_j = o_j < len_k
         b_k1 = tl.load(p_kt1, mask=m_d1[:, None] & m_j[None, :], other=0.0)  # [BD1, BK]
         b_k2 = tl.load(p_kt2, mask=m_d2[:, None] & m_j[None, :], other=0.0)  # [BD2, BK]
@@ -92,6 +99,7 @@ def _kl_fwd_kernel(
     PARTS,  # split-K only: raw statistics [6, splits, *lse shape], laid out like lse per (stat, split)
     CU_Q, CU_K,
     KV_COUNT, KV_FULL, KV_INDEX, KV_FLAGS,
+    K1_DESC, K2_DESC,  # tensor descriptors of the keys as 2-D [tokens, heads * dim] (USE_TMA only)
     stride_q1b, stride_q1n, stride_q1h,
     stride_k1b, stride_k1n, stride_k1h,
     stride_q2b, stride_q2n, stride_q2h,
@@ -109,7 +117,7 @@ def _kl_fwd_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, DENSE_KEYS: tl.constexpr, EVEN_D: tl.constexpr,
-    IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # one flat grid axis, query tiles fastest (no 65535 limit on sequences x heads); last query
     # tiles first: under causality they visit the most key tiles (less tail at the end)
@@ -156,6 +164,9 @@ def _kl_fwd_kernel(
     b_l2 = tl.zeros([BLOCK_Q], tl.float32)
     b_acc = tl.zeros([BLOCK_Q], tl.float32)
     b_uncovered = tl.zeros([BLOCK_Q], tl.int32)
+    desc_row = k_start if USE_VARLEN else seq * seqlen_k  # first key row of this sequence
+    desc_col1 = (head // group1) * dim1
+    desc_col2 = (head // group2) * dim2
 
     n_visit = tl.load(KV_COUNT + o_count)
     n_full = tl.load(KV_FULL + o_count)
@@ -176,8 +187,8 @@ def _kl_fwd_kernel(
         b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered = _fwd_step(
             b_q1, b_q2, p_k1, p_k2, k_tile, 0, o_i, len_q, len_k, k_start, window_left, window_right,
             stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-            b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
-            BLOCK_K=BLOCK_K, MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE,
+            b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
+            BLOCK_K=BLOCK_K, MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, USE_TMA=USE_TMA,
         )
     # then the partial tiles, masked as their flags say
     for visit in range(tl.maximum(n_full, lo), hi):
@@ -186,8 +197,8 @@ def _kl_fwd_kernel(
         b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered = _fwd_step(
             b_q1, b_q2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start, window_left, window_right,
             stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-            b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
-            BLOCK_K=BLOCK_K, MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE,
+            b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
+            BLOCK_K=BLOCK_K, MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE, USE_TMA=USE_TMA,
         )
 
     o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
@@ -221,16 +232,49 @@ def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     if interpreting():
         return block_q, 4, 1
     block_d1, block_d2 = dim_blocks(problem)
-    big = max(block_d1, block_d2) > 128
-    rows = min(block_q, 64 if big else 128)
+    block_d = max(block_d1, block_d2)
+    big = block_d > 128
+    # 16-bit, D <= 64: the exp unit is the bound; 64-row programs of 4 warps measured fastest
+    rows = 64 if big or (block_d <= 64 and problem.dtype.itemsize == 2) else 128
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize  # one query or key row, both sides
-    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes)
+    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes, budget=200 * 1024)
     rows, warps, stages = TUNE.get("fwd", (rows, 8 if rows >= 128 or big else 4, stages))
     return min(rows, block_q), warps, stages
 
 
-#: GPU tuning overrides (benchmarks/tune_h200.py): "fwd" -> (rows, warps, stages).
+#: GPU tuning overrides (benchmarks/tune_h200.py): "fwd" -> (rows, warps, stages), "tma" -> bool.
 TUNE: dict = {}
+#: Keys through TMA descriptors on Hopper and newer GPUs.
+TMA_DEFAULT = False
+#: Tests: True loads keys through descriptors wherever the layout allows (the interpreter too),
+#: False never; None follows TMA_DEFAULT on the GPU.
+TMA_OVERRIDE: bool | None = None
+
+
+def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_k: int):
+    """Host-side TMA descriptors of both key tensors as 2-D [tokens, heads * dim], or None where
+    TMA does not apply: not Hopper or newer, the interpreter, head dims below their power-of-two
+    block (the box would read the next head), keys not contiguous or not 16-byte aligned."""
+    if TMA_OVERRIDE is not None:
+        if not TMA_OVERRIDE:
+            return None
+    elif not TUNE.get("tma", TMA_DEFAULT) or interpreting() or problem.device.type != "cuda":
+        return None
+    elif torch.cuda.get_device_capability(problem.device)[0] < 9:
+        return None
+    if not even_dims(problem):
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - older triton
+        return None
+    descs = []
+    for k, dim in ((k1, problem.dim1), (k2, problem.dim2)):
+        if not k.is_contiguous() or k.data_ptr() % 16 or (k.shape[-2] * dim * k.element_size()) % 16:
+            return None
+        flat = k.view(-1, k.shape[-2] * dim)
+        descs.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_k, dim]))
+    return tuple(descs)
 
 
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
@@ -264,12 +308,14 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     if splits > 1:
         grid = (*grid, splits)
         parts = torch.empty((6, splits, *problem.lse_shape), dtype=torch.float32, device=lse1.device)
+    descs = key_descriptors(problem, k1, k2, block_k)
     args = (
         q1, k1, q2, k2,
         kl_rows, lse1, lse2, expect,
         parts,
         cu_q, cu_k,
         schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial,
+        *(descs or (k1, k2)),
         *head_strides(q1, varlen), *head_strides(k1, varlen),
         *head_strides(q2, varlen), *head_strides(k2, varlen),
         *row_strides(kl_rows, varlen), *stat_strides(lse1, varlen),
@@ -282,6 +328,7 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
         SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2,
         USE_VARLEN=varlen, DENSE_KEYS=problem.mask1 is None and problem.mask2 is None,
         EVEN_D=even_dims(problem), IEEE=problem.dtype == torch.float32, SPLIT=splits > 1,
+        USE_TMA=descs is not None,
     )
     launch(_kl_fwd_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
            **constexprs)
