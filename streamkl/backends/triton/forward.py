@@ -235,19 +235,22 @@ def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     block_d = max(block_d1, block_d2)
     big = block_d > 128
     # 16-bit, D <= 64: the exp unit is the bound; 64-row programs of 4 warps measured fastest
-    rows = 64 if big or (block_d <= 64 and problem.dtype.itemsize == 2) else 128
+    small = block_d <= 64 and problem.dtype.itemsize == 2
+    rows = 64 if big or small else 128
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize  # one query or key row, both sides
-    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes, budget=200 * 1024)
+    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes, most=2 if small else 3, budget=200 * 1024)
     rows, warps, stages = TUNE.get("fwd", (rows, 8 if rows >= 128 or big else 4, stages))
     return min(rows, block_q), warps, stages
 
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "fwd" -> (rows, warps, stages), "tma" -> bool.
 TUNE: dict = {}
-#: Keys through TMA descriptors on Hopper and newer GPUs.
-TMA_DEFAULT = False
+#: Keys through TMA descriptors on Hopper and newer GPUs up to this head dim. Measured on the H200
+#: (benchmarks/results/tune_h200_round2.jsonl, N=16K bf16): D=64 1.18x -> 1.07x the SDPA forward
+#: (with 128-key tiles), D=128 0.94x -> 1.04x (slower), hence off above 64.
+TMA_MAX_DIM = 64
 #: Tests: True loads keys through descriptors wherever the layout allows (the interpreter too),
-#: False never; None follows TMA_DEFAULT on the GPU.
+#: False never; None follows TMA_MAX_DIM on Hopper or newer GPUs.
 TMA_OVERRIDE: bool | None = None
 
 
@@ -258,7 +261,9 @@ def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_
     if TMA_OVERRIDE is not None:
         if not TMA_OVERRIDE:
             return None
-    elif not TUNE.get("tma", TMA_DEFAULT) or interpreting() or problem.device.type != "cuda":
+    elif not TUNE.get("tma", max(dim_blocks(problem)) <= TMA_MAX_DIM) or interpreting():
+        return None
+    elif problem.device.type != "cuda":
         return None
     elif torch.cuda.get_device_capability(problem.device)[0] < 9:
         return None
@@ -273,6 +278,8 @@ def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_
         if not k.is_contiguous() or k.data_ptr() % 16 or (k.shape[-2] * dim * k.element_size()) % 16:
             return None
         flat = k.view(-1, k.shape[-2] * dim)
+        if flat.shape[0] < block_k:  # a box taller than the tensor: keep to pointers
+            return None
         descs.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_k, dim]))
     return tuple(descs)
 
