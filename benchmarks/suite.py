@@ -24,8 +24,8 @@ gradients of the inputs included); also per (query row, head). A call predicted 
 the provider's last size) to take more than `--single-call-ms` is timed once without warm-up (its
 kernels were compiled at the smaller N; never for naive-compile); past `--max-call-ms` it is
 "skipped (slow)"; a case that would overrun `--max-seconds` is "skipped (time budget)". Sections run
-by priority: headline (N=16K), D sweep, sparsity, varlen, the rest of the N sweep, long context
-(single call each), naive-compile.
+by priority: headline (N=16K), D sweep, sparsity, varlen, long context (single call each),
+naive-compile, the rest of the N sweep.
 
 Sweeps (GPU defaults, bf16, B=1, H=16, D=128): N = 1K..128K causal and not; D = 64 at N=16K;
 block sparsity 0/50/75/90/95 % (blocks 128, the same random mask on both sides, non-causal) at 16K;
@@ -241,7 +241,7 @@ def build_cases(args) -> list[dict]:
             for n in compile_sizes:
                 for causal in (False, True):
                     for mode in MODES:
-                        add(6, "nsweep", "naive-compile", mode, N=n, causal=causal)
+                        add(3.6, "nsweep", "naive-compile", mode, N=n, causal=causal)
     if "dsweep" in args.sections:
         for causal in (False, True):
             for provider in providers:
@@ -261,7 +261,7 @@ def build_cases(args) -> list[dict]:
                 add(3, "varlen", provider, mode, B=seqs, N=n, causal=True, layout="batched")
     if "long" in args.sections and not q and "streamkl-triton" in args.providers:
         for n in (262144, 524288, 1048576):
-            add(5, "long", "streamkl-triton", "fwd+bwd student", N=n, H=8, causal=True)
+            add(3.5, "long", "streamkl-triton", "fwd+bwd student", N=n, H=8, causal=True)
     cases.sort(key=lambda c: c["priority"])
     return cases
 
@@ -574,7 +574,7 @@ def parse_args(argv=None):
     parser.add_argument("--single-call-ms", type=float, default=200.0,
                         help="a call predicted slower than this (already compiled at a smaller N) is timed once")
     parser.add_argument("--torch-max-n", type=int, default=4096, help="tokens up to which streamkl-torch runs")
-    parser.add_argument("--compile-sizes", default="8192,4096", help="N at which naive-compile runs")
+    parser.add_argument("--compile-sizes", default="4096", help="N at which naive-compile runs")
     parser.add_argument("--compile-estimate-s", type=float, default=15.0,
                         help="time one naive-compile compilation is budgeted (skipped when it would not fit)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for naive-compile")

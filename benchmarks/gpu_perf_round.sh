@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One device-tool call (~8 min): every test that can use the GPU (the shared suite on every backend
+# and the GPU-only files), then the benchmark suite. Usage (device tool): bash benchmarks/gpu_perf_round.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/streamkl-out}
+mkdir -p "$OUT"
+{ python -m streamkl info; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$OUT/tests.txt" 2>&1
+timeout "${TEST_SECONDS:-240}" python -m pytest -q -p no:benchmark -n 8 tests/test_kl.py tests/test_varlen.py \
+  tests/test_block_mask.py tests/test_errors.py tests/test_host_overhead.py tests/test_triton_gpu.py \
+  tests/test_gpu_capture.py tests/test_cupy_gpu.py 2>&1 | tail -40 >> "$OUT/tests.txt"
+tail -3 "$OUT/tests.txt"
+timeout "${SUITE_SECONDS:-250}" python benchmarks/suite.py --out "$OUT" --max-seconds "${SUITE_BUDGET:-230}" \
+  > "$OUT/suite.log" 2>&1
+grep -A40 "Targets" "$OUT/suite.md" | head -45
