@@ -79,5 +79,6 @@ def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str) -> to
     total = kl_rows.sum()
     if reduction == "sum":
         return total
-    count = (lse1 != NEG_INF).sum().clamp_(min=1)  # int64; the division is done in float32
+    # count_nonzero: no int64 copy of the mask (a bool .sum() makes one on some devices)
+    count = torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)  # int64; the division is done in float32
     return total / count

@@ -50,8 +50,18 @@ def test_reverse_kl_sparse_side1_dense_side2(backend):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_different_masks_per_side(deterministic, backend):
+#: backward paths: every gradient (Triton: two kernels), deterministic, and one side's gradients
+#: (Triton: one key-major pass with atomic dq)
+GRAD_MODES = {
+    "all": ((True, True, True, True), False),
+    "deterministic": ((True, True, True, True), True),
+    "student": ((False, False, True, True), False),
+    "teacher": ((True, True, False, False), False),
+}
+
+
+@pytest.mark.parametrize("grads,deterministic", list(GRAD_MODES.values()), ids=list(GRAD_MODES))
+def test_different_masks_per_side(grads, deterministic, backend):
     """Side 1 a subset of side 2 with other block sizes: finite; the converse: +inf rows."""
     batch, n = 1, 128
     coarse = _random_pattern(1, 1, 2, 2, 0.6)  # 64x64 blocks
@@ -59,8 +69,10 @@ def test_different_masks_per_side(deterministic, backend):
     mask_coarse = BlockMask.from_dense(coarse, 64)
     mask_fine = BlockMask.from_dense(fine, (16, 32))
     kwargs = dict(deterministic=deterministic)
-    check_against_reference(_inputs(batch, n, n), backend, mask1=mask_fine, mask2=mask_coarse, **kwargs)
-    out = check_against_reference(_inputs(batch, n, n), backend, mask1=mask_coarse, mask2=mask_fine, **kwargs)
+    inputs = make_inputs((batch, n), (batch, n), 4, (2, 1), (32, 16), torch.float32, DEVICE, grads)
+    check_against_reference(inputs, backend, mask1=mask_fine, mask2=mask_coarse, **kwargs)
+    inputs = make_inputs((batch, n), (batch, n), 4, (2, 1), (32, 16), torch.float32, DEVICE, grads)
+    out = check_against_reference(inputs, backend, mask1=mask_coarse, mask2=mask_fine, **kwargs)
     assert torch.isposinf(out).any(), "expected uncovered rows"
 
 
@@ -100,15 +112,15 @@ def test_all_masked_mean_is_zero(backend):
     assert all(torch.equal(t.grad, torch.zeros_like(t.grad)) for t in inputs)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_varlen_with_block_masks(deterministic, backend):
+@pytest.mark.parametrize("grads,deterministic", list(GRAD_MODES.values()), ids=list(GRAD_MODES))
+def test_varlen_with_block_masks(grads, deterministic, backend):
     """Blocks count from each sequence's start; the batch dim of the mask counts sequences."""
     lengths = [50, 0, 77, 33]
     cu = cu_seqlens_from_lengths(lengths, DEVICE)
     total = sum(lengths) + 3
     pattern = _random_pattern(len(lengths), 4, 5, 3, 0.5)  # 16x32 blocks over max_seqlen 77
     mask = BlockMask.from_dense(pattern, (16, 32))
-    inputs = make_inputs((total,), (total,), 4, (2, 1), (32, 24), torch.float32, DEVICE)
+    inputs = make_inputs((total,), (total,), 4, (2, 1), (32, 24), torch.float32, DEVICE, grads)
     check_against_reference(
         inputs, backend, cu_seqlens=cu, mask1=mask, mask2=mask, causal=True, window=(40, -1),
         deterministic=deterministic,

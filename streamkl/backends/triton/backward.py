@@ -1,13 +1,16 @@
 """The backward: scores recomputed tile by tile from the saved (lse1, lse2, E).
 
-Default (`deterministic=False`): one key-major kernel over the transposed schedule. A program owns
-one key tile (of one sequence and key head, looping over the query heads that share it: GQA sums
-stay inside), streams the query tiles that visit it, accumulates dk1, dk2 in registers and adds
-each tile's dq1, dq2 contribution into float32 buffers with atomics: the scores are computed once.
+One side's gradients (a detached teacher, the usual distillation), by default: one key-major
+kernel over the transposed schedule. A program owns one key tile (of one sequence and key head,
+looping over the query heads that share it: GQA sums stay inside), streams the query tiles that
+visit it, accumulates dk in registers and adds each tile's dq contribution into a float32 buffer
+with atomics: the scores are computed once.
 
-`deterministic=True`: two kernels that own disjoint outputs, no atomics, bitwise-reproducible
-gradients: `_kl_bwd_dq_kernel` (query-major, dq1, dq2) and the same key-major kernel without its
-dq part (dk1, dk2). The scores are computed twice.
+Both sides' gradients, or `deterministic=True`: two kernels that own disjoint outputs, no atomics,
+bitwise-reproducible gradients: `_kl_bwd_dq_kernel` (query-major, dq1, dq2) and the same
+key-major kernel without its dq part (dk1, dk2). The scores are computed twice; with both sides'
+gradients this measured faster on the H200 than the atomic pass, whose two dk accumulators crowd
+the registers.
 
 With d = s1 - s2 (0 off side 1's support), p = exp(s1 - lse1), q = exp(s2 - lse2) and the row's
 upstream gradient g:  dS1 = g * p * (d - E),  dS2 = g * (q - p);  dq = scale * dS @ k,
@@ -389,15 +392,19 @@ def bwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     return min(rows, block_q), warps, stages
 
 
-def kv_tiles(problem: Problem, schedule: TileSchedule) -> tuple[int, int]:
-    """(block_q, block_k) of the key-major kernel: each program keeps a key tile and streams query
-    tiles, so it wants more keys than rows; within the mask blocks."""
+def bwd_tiles(problem: Problem, schedule: TileSchedule, two_sides: bool) -> tuple[int, int]:
+    """(block_q, block_k) of the backward's schedule, within the mask blocks. The key-major kernel
+    keeps a key tile and streams query tiles: with one side's gradients it wants 128 keys; with
+    both sides' (two dk accumulators, and the two-kernel path) 64 keys, whose registers fit."""
     if interpreting():
         return schedule.block_q, schedule.block_k
     block_q, block_k = schedule.block_q, schedule.block_k
     block_d = max(dim_blocks(problem))
     if problem.dtype.itemsize == 2 and block_d <= 128:  # measured on the H200
-        block_q, block_k = TUNE.get("kv_tiles", (64, 128) if block_d <= 64 else (128, 128))
+        if two_sides:
+            block_q, block_k = TUNE.get("kv_tiles2", (128, 64))
+        else:
+            block_q, block_k = TUNE.get("kv_tiles", (64, 128) if block_d <= 64 else (128, 128))
     for mask in (problem.mask1, problem.mask2):
         if mask is not None:
             block_q, block_k = min(block_q, mask.block_q), min(block_k, mask.block_k)
@@ -415,7 +422,8 @@ def kv_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
 
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
-#: "kv_tiles" -> (block_q, block_k), "kv" -> (warps, stages).
+#: "kv_tiles" / "kv_tiles2" -> (block_q, block_k) for one side's / both sides' gradients,
+#: "kv" -> (warps, stages).
 TUNE: dict = {}
 
 
@@ -431,7 +439,10 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     """Launch the backward: (dq1, dk1, dq2, dk2) in the input dtype, None where not needed."""
     varlen = problem.is_varlen
     need_dq1, need_dk1, need_dq2, need_dk2 = needs
-    atomic = not problem.deterministic
+    # one side's gradients (a detached teacher, the usual distillation): one key-major pass with
+    # atomic dq; both sides': the two-kernel path, measured faster than the atomic pass there
+    two_sides = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
+    atomic = not problem.deterministic and not two_sides
     if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
         return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
@@ -460,8 +471,10 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     def out_strides(t):
         return head_strides(t, varlen) if t is not None else (0, 0, 0)
 
+    block_q, block_k = bwd_tiles(problem, schedule, two_sides)
+    if (block_q, block_k) != (schedule.block_q, schedule.block_k):
+        schedule = get_schedule(problem, block_q, block_k)
     if not atomic and (need_dq1 or need_dq2):
-        block_q, block_k = schedule.block_q, schedule.block_k
         check_tiles(problem, block_q, block_k)
         rows, num_warps, num_stages = bwd_config(problem, block_q, block_k)
         sub_tiles = block_q // rows
@@ -484,10 +497,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     side1 = need_dk1 or (atomic and need_dq1)
     side2 = need_dk2 or (atomic and need_dq2)
     if side1 or side2:
-        block_q, block_k = kv_tiles(problem, schedule)
         check_tiles(problem, block_q, block_k)
-        if (block_q, block_k) != (schedule.block_q, schedule.block_k):
-            schedule = get_schedule(problem, block_q, block_k)
         keys = get_key_schedule(schedule)
         # one launch when both sides group query heads alike, else one per side
         if side1 and side2 and group1 != group2:
