@@ -1,12 +1,14 @@
 """Triton backend (NVIDIA Ampere and Hopper): fused kernels walking the tile schedule.
 
 - forward.py: one program per (query tile, sequence, head) streams its key tiles once, keeping the
-  SPEC's five statistics per row; with few query tiles against long key lists (a small grid) the
-  lists are cut into slices (split-K) whose statistics are merged exactly afterwards.
-- backward.py: a query-major kernel for dq1, dq2 and a key-major kernel (over the transposed
-  schedule) for dk1, dk2, GQA sums inside the program. No atomics anywhere, so gradients are
-  bitwise reproducible whether or not `deterministic=True` is asked.
-- common.py: element masks, host-side argument packing, the launch helper.
+  SPEC's five statistics per row: a branch-free loop over the schedule's full tiles, then a masked
+  loop over its partial ones (flags, no block-pattern loads); keys through TMA descriptors at
+  D <= 64 on Hopper. With few query tiles against long key lists (a small grid) the lists are cut
+  into slices (split-K) whose statistics are merged exactly afterwards.
+- backward.py: one side's gradients in one key-major pass (dk in registers, dq added into a
+  float32 buffer with atomics); both sides' gradients, or deterministic=True, in two atomic-free
+  kernels (query-major dq, key-major dk), bitwise reproducible. GQA sums stay inside programs.
+- common.py: element masks from the schedule flags, host-side argument packing, the launch helper.
 
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (tests, CI).
 """
