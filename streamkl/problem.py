@@ -312,9 +312,10 @@ def build_problem(
         # type checks first: a bad max_seqlen must not cost a host sync
         given_q = None if max_seqlen is None else _check_max_seqlen("max_seqlen", max_seqlen)
         given_k = None if max_seqlen_k is None else _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-        longest_q = longest_k = None
+        longest_q = longest_k = tail_start = None
         if check_values:
             values_q = cu_q.detach().to("cpu", torch.int64)
+            tail_start = int(values_q[-1])  # rows from here on belong to no sequence
             longest_q = _check_cu_seqlens_host("cu_seqlens", values_q, total_q)
             if cu_k is cu_q:  # cu_seqlens also delimits the keys: it must fit k1's packed length too
                 longest_k = _check_cu_seqlens_host(
@@ -343,13 +344,16 @@ def build_problem(
                 _fail(name, "None for dense (4-D) inputs; pass cu_seqlens for packed sequences", type(value).__name__)
         batch, seqlen_q, seqlen_k = q1.shape[0], q1.shape[1], k1.shape[1]
         total_q = total_k = 0
-        cu_q = cu_k = None
+        cu_q = cu_k = tail_start = None
 
     side1 = _side_mask("mask1", mask1, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
     side2 = _side_mask("mask2", mask2, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
-    return describe_problem(
+    problem = describe_problem(
         q1, k1, q2, k2, scale1, scale2, causal, window, cu_q, cu_k, seqlen_q, seqlen_k, side1, side2, deterministic
     )
+    if tail_start is not None:  # known on the host from the value checks: see backends/base.write_tail_rows
+        problem.extra["tail_start_q"] = tail_start
+    return problem
 
 
 def describe_problem(

@@ -89,6 +89,14 @@ def write_tail_rows(problem: Problem, kl_rows, lse1, lse2, expect) -> None:
     """Varlen rows past cu_seqlens[-1] belong to no sequence: KL 0, lse -inf, E 0. No host sync."""
     if not problem.is_varlen or problem.total_q == 0:
         return
+    start = problem.extra.get("tail_start_q")
+    if start is not None:  # cu_seqlens[-1], read on the host by the front end's value checks
+        if start < problem.total_q:
+            kl_rows[start:].fill_(0.0)
+            lse1[:, start:].fill_(float("-inf"))
+            lse2[:, start:].fill_(float("-inf"))
+            expect[:, start:].fill_(0.0)
+        return
     rows = torch.arange(problem.total_q, device=problem.device)
     tail = rows >= problem.cu_seqlens_q[-1]
     kl_rows.masked_fill_(tail[:, None], 0.0)
