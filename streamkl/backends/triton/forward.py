@@ -16,6 +16,7 @@ from streamkl.backends.triton.common import (
     _dot,
     _partial_allowed,
     broadcast_strides,
+    cdiv,
     check_tiles,
     dim_blocks,
     even_dims,
@@ -309,8 +310,8 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     q_programs = num_q_tiles(problem, block_q) * sub_tiles
     grid = (q_programs * problem.batch * problem.heads,)
     splits = split_count(problem, grid[0], schedule.num_k_tiles)
-    visits_per_split = triton.cdiv(schedule.num_k_tiles, splits)
-    splits = triton.cdiv(schedule.num_k_tiles, visits_per_split)  # no split left without visits
+    visits_per_split = cdiv(schedule.num_k_tiles, splits)
+    splits = cdiv(schedule.num_k_tiles, visits_per_split)  # no split left without visits
     parts = lse1  # unused placeholder unless split
     if splits > 1:
         grid = (*grid, splits)
@@ -367,7 +368,7 @@ def split_count(problem: Problem, programs: int, num_k_tiles: int) -> int:
     sms = _multiprocessors(problem.device.index if problem.device.index is not None else torch.cuda.current_device())
     if 2 * programs > sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), num_k_tiles // 4, 64))
+    return max(1, min(cdiv(2 * sms, programs), num_k_tiles // 4, 64))
 
 
 def combine_splits(problem: Problem, parts: torch.Tensor, kl_rows, lse1, lse2, expect) -> None:
