@@ -248,3 +248,33 @@ def test_key_descriptors_forward(use_tma, monkeypatch):
     check_against_reference(packed, "triton", cu_seqlens=cu, causal=True)
     strided = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in inputs]
     check_against_reference(strided, "triton", causal=True)
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 96)], ids=["D64", "D128x96"])
+def test_gpu_tile_configuration(dims, monkeypatch):
+    """The GPU's tile choices (any device; CPU under the interpreter, which otherwise runs one
+    program per 64x64 tile): 128x128 forward tiles split into 64-row programs, backward tiles
+    that differ from the forward's (a second schedule), the atomic student pass and the
+    two-kernel path for both sides, with varlen and block masks."""
+    import streamkl.backends.triton as triton_backend
+    from streamkl.backends.triton import backward, forward
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(forward, "interpreting", lambda: False)
+    monkeypatch.setattr(backward, "interpreting", lambda: False)
+
+    def gpu_tiles(self, problem):
+        masks = tuple((m.block_q, m.block_k) for m in (problem.mask1, problem.mask2) if m is not None)
+        return triton_backend._tile_sizes(problem.dim1, problem.dim2, problem.dtype.itemsize, masks, False)
+
+    monkeypatch.setattr(triton_backend.TritonBackend, "tile_sizes", gpu_tiles)
+    for grads in ((False, False, True, True), (True, True, True, True)):
+        inputs = make_inputs((2, 300), (2, 260), 2, (1, 2), dims, torch.bfloat16, device, grads)
+        check_against_reference(inputs, "triton", causal=True)
+        check_against_reference(inputs, "triton", window=(70, 10))
+        pattern = torch.rand(2, 2, 3, 3, device=device) < 0.6
+        mask = BlockMask.from_dense(pattern, 128)
+        check_against_reference(inputs, "triton", mask1=mask, mask2=mask)
+    cu = torch.tensor([0, 130, 130, 300], dtype=torch.int32, device=device)
+    packed = make_inputs((303,), (303,), 2, (2, 1), dims, torch.bfloat16, device, (False, False, True, True))
+    check_against_reference(packed, "triton", cu_seqlens=cu, causal=True)

@@ -416,9 +416,12 @@ def kv_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
     if interpreting():
         return 4, 1
     block_d1, block_d2 = dim_blocks(problem)
+    block_d = max(block_d1, block_d2)
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
+    if problem.dtype.itemsize != 2 or block_d > 128:  # the first session's configuration (not re-tuned)
+        return 4 if block_d <= 64 else 8, pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2)
     stages = pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2, budget=200 * 1024)
-    return TUNE.get("kv", (8 if block_q * block_k * max(block_d1, block_d2) > 64 * 128 * 64 else 4, stages))
+    return TUNE.get("kv", (8 if block_q * block_k * block_d > 64 * 128 * 64 else 4, stages))
 
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
@@ -442,7 +445,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     # one side's gradients (a detached teacher, the usual distillation): one key-major pass with
     # atomic dq; both sides': the two-kernel path, measured faster than the atomic pass there
     two_sides = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
-    atomic = not problem.deterministic and not two_sides
+    deterministic = problem.deterministic or torch.are_deterministic_algorithms_enabled()
+    atomic = not deterministic and not two_sides
     if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
         return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None

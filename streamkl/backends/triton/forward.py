@@ -237,9 +237,11 @@ def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     big = block_d > 128
     # 16-bit, D <= 64: the exp unit is the bound; 64-row programs of 4 warps measured fastest
     small = block_d <= 64 and problem.dtype.itemsize == 2
-    rows = 64 if big or small else 128
+    rows = min(block_q, 64 if big or small else 128)
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize  # one query or key row, both sides
-    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes, most=2 if small else 3, budget=200 * 1024)
+    # 16-bit budgets measured on the H200 this session; float32 keeps the first session's
+    budget = 200 * 1024 if problem.dtype.itemsize == 2 else 160 * 1024
+    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes, most=2 if small else 3, budget=budget)
     rows, warps, stages = TUNE.get("fwd", (rows, 8 if rows >= 128 or big else 4, stages))
     return min(rows, block_q), warps, stages
 
