@@ -278,3 +278,36 @@ def test_gpu_tile_configuration(dims, monkeypatch):
     cu = torch.tensor([0, 130, 130, 300], dtype=torch.int32, device=device)
     packed = make_inputs((303,), (303,), 2, (2, 1), dims, torch.bfloat16, device, (False, False, True, True))
     check_against_reference(packed, "triton", cu_seqlens=cu, causal=True)
+
+
+def test_backward_path_choice(monkeypatch):
+    """Student gradients: one key-major pass (atomic dq) by default; the two atomic-free kernels
+    under deterministic=True, under torch.use_deterministic_algorithms, and for both sides."""
+    from streamkl.backends.triton import backward
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    launched = []
+    real_launch = backward.launch
+
+    def spy(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(backward, "launch", spy)
+
+    def kernels(grads, **kwargs):
+        launched.clear()
+        inputs = make_inputs((1, 80), (1, 80), 2, (2, 2), (32, 32), torch.float32, device, grads)
+        streamkl.kl(*inputs, causal=True, backend="triton", **kwargs).backward()
+        return sorted(launched)
+
+    student = (False, False, True, True)
+    assert kernels(student) == ["_kl_bwd_kv_kernel"]
+    assert kernels(student, deterministic=True) == ["_kl_bwd_dq_kernel", "_kl_bwd_kv_kernel"]
+    assert kernels((True,) * 4) == ["_kl_bwd_dq_kernel", "_kl_bwd_kv_kernel"]
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert kernels(student) == ["_kl_bwd_dq_kernel", "_kl_bwd_kv_kernel"]
+    finally:
+        torch.use_deterministic_algorithms(previous)
