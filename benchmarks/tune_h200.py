@@ -85,6 +85,10 @@ def set_config(cfg):
         tbwd.TUNE["dq"] = cfg["dq"]
     if "tma" in cfg:
         tfwd.TUNE["tma"] = cfg["tma"]
+    if "kv_tiles2" in cfg:
+        tbwd.TUNE["kv_tiles2"] = cfg["kv_tiles2"]
+    if "fold" in cfg:  # score arithmetic, both directions
+        tfwd.TUNE["fold"] = tbwd.TUNE["fold"] = cfg["fold"]
 
 
 def check(cfg):
@@ -208,6 +212,49 @@ def main():
         xs = inputs(n, h, d, grads=(False, False, True, True))
         tb_ = bench(kl_fn(xs, True), grads=xs[2:])
         record(kind="sparse", sparsity="nomask", fwd=t, fwdbwd_student=tb_)
+    if "host" in sections:
+        # host time of one call while the GPU is busy (a long sleep kernel queued first), and one
+        # profiled call: what the suite's synchronized timing adds on top of the kernels
+        set_config({})
+        for d, causal in ((128, False), (128, True)):
+            x = inputs(n, h, d)
+            xs = inputs(n, h, d, grads=(False, False, True, True))
+            for label, fn in (("fwd", kl_fn(x, causal=causal)), ("fwdbwd_student", kl_fn(xs, True, causal=causal))):
+                fn()
+                torch.cuda.synchronize()
+                host = []
+                for _ in range(20):
+                    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+                    begin = time.perf_counter()
+                    fn()
+                    host.append((time.perf_counter() - begin) * 1e3)
+                    torch.cuda.synchronize()
+                host.sort()
+                start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                synced = []
+                for _ in range(10):
+                    torch.cuda.synchronize()
+                    start_ev.record()
+                    fn()
+                    end_ev.record()
+                    end_ev.synchronize()
+                    synced.append(start_ev.elapsed_time(end_ev))
+                synced.sort()
+                record(kind="host", what=label, d=d, causal=causal, host_ms_median=host[len(host) // 2],
+                       host_ms_min=host[0], synced_event_ms_median=synced[len(synced) // 2],
+                       do_bench_ms=bench(fn, grads=xs[2:] if "bwd" in label else None))
+        x = inputs(n, h, 128)
+        fn = kl_fn(x, causal=True)
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+        print(table, flush=True)
+        (out / "profile_fwd.txt").write_text(table)
     if "check" in sections:
         for cfg in fwd_configs + bwd_configs:
             try:

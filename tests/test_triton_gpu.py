@@ -311,3 +311,54 @@ def test_backward_path_choice(monkeypatch):
         assert kernels(student) == ["_kl_bwd_dq_kernel", "_kl_bwd_kv_kernel"]
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+def test_atomic_pass_in_head_chunks(monkeypatch):
+    """The atomic pass's float32 dq accumulator holding one chunk of heads at a time (the GPU does
+    this at large sizes to keep the backward's extra memory under its gradients' size): GQA with
+    different groups per side (chunks hold whole groups: 4 asked, 2 used), varlen with tail rows,
+    per-head block masks, either side's gradients."""
+    from streamkl.backends.triton import backward
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", 4)
+    launched = []
+    real_launch = backward.launch
+
+    def spy(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(backward, "launch", spy)
+    for grads in ((False, False, True, True), (True, True, False, False), (False, False, True, False)):
+        inputs = make_inputs((2, 70), (2, 90), 8, (4, 2), (32, 16), torch.bfloat16, device, grads)
+        launched.clear()
+        check_against_reference(inputs, "triton", causal=True)
+        assert launched == ["_kl_bwd_kv_kernel"] * 2  # lcm(2, 4) = 4 heads a chunk: 2 chunks, not 4
+    pattern = torch.rand(2, 8, 5, 6, device=device) < 0.6
+    check_against_reference(inputs, "triton", mask1=BlockMask.from_dense(pattern, 16), mask2=None)
+    cu = torch.tensor([0, 50, 130], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 60, 140], dtype=torch.int32, device=device)
+    packed = make_inputs((130,), (150,), 8, (8, 4), (16, 32), torch.bfloat16, device, (False, False, True, True))
+    launched.clear()
+    check_against_reference(packed, "triton", causal=True, cu_seqlens=cu, cu_seqlens_k=cu_k)
+    assert launched == ["_kl_bwd_kv_kernel"] * 4
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["plain", "fold"])
+def test_score_arithmetic_variants(fold, monkeypatch):
+    """Both score-arithmetic variants of the 16-bit kernels (scales folded into the exponent
+    arguments, or not) against the float64 reference, forward and backward, including peaked
+    distributions whose probabilities span many orders of magnitude, and a negative scale (never
+    folded)."""
+    from streamkl.backends.triton import backward, forward
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setitem(forward.TUNE, "fold", fold)
+    monkeypatch.setitem(backward.TUNE, "fold", fold)
+    student = make_inputs((1, 200), (1, 230), 2, (1, 2), (64, 32), torch.bfloat16, device, (False, False, True, True))
+    check_against_reference(student, "triton", causal=True)
+    check_against_reference(student, "triton", scale1=0.6, scale2=0.9)  # peaked: scores of ~30
+    both = make_inputs((1, 200), (1, 230), 2, (2, 1), (32, 64), torch.float16, device)
+    check_against_reference(both, "triton", scale1=0.5, scale2=0.3)
+    check_against_reference(both, "triton", scale1=-0.2, window=(50, 50))

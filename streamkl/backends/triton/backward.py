@@ -20,6 +20,8 @@ its score recomputation. Full tiles (listed first by the schedule) run without a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +48,7 @@ from streamkl.backends.triton.common import (
     varlen_args,
     window_bounds,
 )
+from streamkl.backends.triton.forward import _multiprocessors
 from streamkl.problem import Problem
 from streamkl.sparse.schedule import TileSchedule, get_key_schedule, get_schedule
 
@@ -71,14 +74,18 @@ def _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i, MASKED: tl.constex
 
 @triton.jit
 def _tile_dscores(
-    b_s1, b_s2, flags, o_i, o_j, len_q, len_k, window_left, window_right,
-    b_lse1, b_lse2, b_e, b_g, MASKED: tl.constexpr,
+    b_r1, b_r2, scale1, scale2, flags, o_i, o_j, len_q, len_k, window_left, window_right,
+    b_lse1, b_lse2, b_e, b_g, MASKED: tl.constexpr, FOLD: tl.constexpr,
 ):
-    """(dS1, dS2) [BQ, BK] of one tile from its log2-unit scores; element masks on partial tiles.
+    """(dS1, dS2) [BQ, BK] of one tile from its raw score products (s = r * scale, log2 units);
+    element masks on partial tiles.
 
     d and E run over keys allowed on both sides; an uncovered row's infinite part is a constant,
-    and dS2 is kept to side 2's support."""
+    and dS2 is kept to side 2's support. FOLD (full tiles): each exponent's argument is one FMA,
+    r * scale - lse."""
     if MASKED:
+        b_s1 = b_r1 * scale1
+        b_s2 = b_r2 * scale2
         m_a1, m_a2 = _partial_allowed(flags, o_i, o_j, len_q, len_k, window_left, window_right)
         b_s1 = tl.where(m_a1, b_s1, float("-inf"))
         b_s2 = tl.where(m_a2, b_s2, float("-inf"))
@@ -86,7 +93,15 @@ def _tile_dscores(
         b_p = tl.exp2(b_s1 - b_lse1[:, None])  # [BQ, BK]
         b_ds1 = b_g[:, None] * b_p * (b_diff * LN2_K - b_e[:, None])
         b_ds2 = tl.where(m_a2, b_g[:, None] * (tl.exp2(b_s2 - b_lse2[:, None]) - b_p), 0.0)
+    elif FOLD:
+        b_p = tl.exp2(b_r1 * scale1 - b_lse1[:, None])  # [BQ, BK]
+        b_q = tl.exp2(b_r2 * scale2 - b_lse2[:, None])
+        # dS1 only where side 1's gradients are asked for (dead code otherwise)
+        b_ds1 = b_g[:, None] * b_p * ((b_r1 * scale1 - b_r2 * scale2) * LN2_K - b_e[:, None])
+        b_ds2 = b_g[:, None] * (b_q - b_p)
     else:
+        b_s1 = b_r1 * scale1
+        b_s2 = b_r2 * scale2
         b_p = tl.exp2(b_s1 - b_lse1[:, None])  # [BQ, BK]
         b_ds1 = b_g[:, None] * b_p * ((b_s1 - b_s2) * LN2_K - b_e[:, None])
         b_ds2 = b_g[:, None] * (tl.exp2(b_s2 - b_lse2[:, None]) - b_p)
@@ -111,17 +126,17 @@ def _dq_step(
     window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
     b_lse1, b_lse2, b_e, b_g,
     BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
-    NEED_DQ1: tl.constexpr, NEED_DQ2: tl.constexpr,
+    NEED_DQ1: tl.constexpr, NEED_DQ2: tl.constexpr, FOLD: tl.constexpr,
 ):
     o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     m_j = o_j < len_k
     o_keys = (k_start + o_j).to(tl.int64)
     b_k1 = _load_tile(p_k1 + o_keys[:, None] * stride_k1n, m_j, m_d1, MASKED, EVEN_D)  # [BK, BD1]
     b_k2 = _load_tile(p_k2 + o_keys[:, None] * stride_k2n, m_j, m_d2, MASKED, EVEN_D)  # [BK, BD2]
-    b_s1 = _dot(b_q1, tl.trans(b_k1), IEEE) * scale1  # [BQ, BK]
-    b_s2 = _dot(b_q2, tl.trans(b_k2), IEEE) * scale2  # [BQ, BK]
-    b_ds1, b_ds2 = _tile_dscores(b_s1, b_s2, flags, o_i, o_j, len_q, len_k, window_left, window_right,
-                                 b_lse1, b_lse2, b_e, b_g, MASKED)
+    b_r1 = _dot(b_q1, tl.trans(b_k1), IEEE)  # [BQ, BK]
+    b_r2 = _dot(b_q2, tl.trans(b_k2), IEEE)  # [BQ, BK]
+    b_ds1, b_ds2 = _tile_dscores(b_r1, b_r2, scale1, scale2, flags, o_i, o_j, len_q, len_k, window_left,
+                                 window_right, b_lse1, b_lse2, b_e, b_g, MASKED, FOLD)
     if NEED_DQ1:
         b_dq1 += _dot(b_ds1.to(b_k1.dtype), b_k1, IEEE)  # [BQ, BD1]
     if NEED_DQ2:
@@ -155,6 +170,7 @@ def _kl_bwd_dq_kernel(
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, EVEN_D: tl.constexpr,
     IEEE: tl.constexpr, NEED_DQ1: tl.constexpr, NEED_DQ2: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     # flat grid, query tiles fastest, last query tiles first (as in the forward)
     pid_bh = tl.program_id(0) // q_programs
@@ -204,7 +220,7 @@ def _kl_bwd_dq_kernel(
         b_dq1, b_dq2 = _dq_step(
             b_q1, b_q2, b_dq1, b_dq2, p_k1, p_k2, k_tile, 0, o_i, len_q, len_k, k_start,
             window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-            b_lse1, b_lse2, b_e, b_g, BLOCK_K, False, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2,
+            b_lse1, b_lse2, b_e, b_g, BLOCK_K, False, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2, FOLD,
         )
     for visit in range(n_full, n_visit):
         k_tile = tl.load(p_index + visit)
@@ -212,7 +228,7 @@ def _kl_bwd_dq_kernel(
         b_dq1, b_dq2 = _dq_step(
             b_q1, b_q2, b_dq1, b_dq2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start,
             window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-            b_lse1, b_lse2, b_e, b_g, BLOCK_K, True, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2,
+            b_lse1, b_lse2, b_e, b_g, BLOCK_K, True, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2, FOLD,
         )
 
     if NEED_DQ1:
@@ -233,6 +249,7 @@ def _kv_step(
     window_left, window_right, m_d1, m_d2, scale1, scale2,
     BLOCK_Q: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
     NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr, ATOMIC_DQ1: tl.constexpr, ATOMIC_DQ2: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """One query tile against the program's key tile: dk accumulated, dq added atomically."""
     o_i = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -242,10 +259,10 @@ def _kv_step(
     b_q2 = _load_tile(p_q2 + o_rows[:, None] * stride_q2n, m_i, m_d2, MASKED, EVEN_D)  # [BQ, BD2]
     b_lse1, b_lse2, b_e, b_g = _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat_h + o_rows * stride_sn,
                                           o_grad_h + o_rows * stride_gn, m_i, MASKED)
-    b_s1 = _dot(b_q1, tl.trans(b_k1), IEEE) * scale1  # [BQ, BK]
-    b_s2 = _dot(b_q2, tl.trans(b_k2), IEEE) * scale2  # [BQ, BK]
-    b_ds1, b_ds2 = _tile_dscores(b_s1, b_s2, flags, o_i, o_j, len_q, len_k, window_left, window_right,
-                                 b_lse1, b_lse2, b_e, b_g, MASKED)
+    b_r1 = _dot(b_q1, tl.trans(b_k1), IEEE)  # [BQ, BK]
+    b_r2 = _dot(b_q2, tl.trans(b_k2), IEEE)  # [BQ, BK]
+    b_ds1, b_ds2 = _tile_dscores(b_r1, b_r2, scale1, scale2, flags, o_i, o_j, len_q, len_k, window_left,
+                                 window_right, b_lse1, b_lse2, b_e, b_g, MASKED, FOLD)
     if NEED_DK1 or ATOMIC_DQ1:
         b_ds1 = b_ds1.to(b_q1.dtype)
     if NEED_DK2 or ATOMIC_DQ2:
@@ -302,6 +319,7 @@ def _kl_bwd_kv_kernel(
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
     NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr, ATOMIC_DQ1: tl.constexpr, ATOMIC_DQ2: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     # one program per (key tile, sequence, key head of the driving side); it loops over the query
     # heads of that key head's group, so the GQA sum stays inside the program
@@ -356,7 +374,7 @@ def _kl_bwd_kv_kernel(
                 p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
                 stride_q1n, stride_q2n, stride_a1n, stride_a2n, stride_sn, stride_gn,
                 window_left, window_right, m_d1, m_d2, scale1, scale2,
-                BLOCK_Q, False, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2,
+                BLOCK_Q, False, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2, FOLD,
             )
         for visit in range(n_full, n_visit):
             q_tile = tl.load(p_index + visit)
@@ -366,7 +384,7 @@ def _kl_bwd_kv_kernel(
                 p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
                 stride_q1n, stride_q2n, stride_a1n, stride_a2n, stride_sn, stride_gn,
                 window_left, window_right, m_d1, m_d2, scale1, scale2,
-                BLOCK_Q, True, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2,
+                BLOCK_Q, True, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2, FOLD,
             )
 
     if NEED_DK1:
@@ -424,9 +442,15 @@ def kv_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
     return TUNE.get("kv", (8 if block_q * block_k * block_d > 64 * 128 * 64 else 4, stages))
 
 
+def arithmetic(problem: Problem) -> dict:
+    """FOLD of the score arithmetic (`_tile_dscores`) for 16-bit inputs; float32 keeps s = r * scale
+    first. The exponent arguments r * scale - lse need no sign condition."""
+    return dict(FOLD=problem.dtype.itemsize == 2 and bool(TUNE.get("fold", True)))
+
+
 #: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
 #: "kv_tiles" / "kv_tiles2" -> (block_q, block_k) for one side's / both sides' gradients,
-#: "kv" -> (warps, stages).
+#: "kv" -> (warps, stages), "fold" -> bool.
 TUNE: dict = {}
 
 
@@ -436,6 +460,43 @@ def _grad_buffer(t: torch.Tensor, varlen: bool, dtype=None) -> torch.Tensor:
     if varlen:
         return torch.zeros(t.shape, dtype=dtype, device=t.device)
     return torch.empty(t.shape, dtype=dtype, device=t.device)
+
+
+def _heads(t: torch.Tensor | None, varlen: bool, lo: int, hi: int, stat: bool = False):
+    """The heads [lo, hi) of an input / gradient ([B, N, H, ...] or [T, H, ...]) or, with `stat`,
+    of a statistic ([B, H, N] or [H, T]): a view."""
+    if t is None:
+        return None
+    if stat:
+        return t[lo:hi] if varlen else t[:, lo:hi]
+    return t[:, lo:hi] if varlen else t[:, :, lo:hi]
+
+
+#: Tests: force the number of head chunks of the atomic pass (None: `atomic_head_chunks` decides).
+CHUNKS_OVERRIDE: int | None = None
+
+
+def atomic_head_chunks(problem: Problem, k_programs: int, group_drive: int) -> int:
+    """Head chunks of the atomic pass: its float32 dq accumulator holds one chunk at a time, so the
+    backward's extra memory stays under the size of the gradients it returns (a whole-tensor
+    accumulator is 2x the 16-bit dq: with dk, as large as both gradients). Two chunks halve it, and
+    are used only where each chunk's launch still fills the GPU several times over. Chunks hold whole
+    GQA groups of both sides."""
+    unit = math.lcm(*group_sizes(problem))
+    if CHUNKS_OVERRIDE is not None:
+        chunks = CHUNKS_OVERRIDE
+    elif interpreting() or problem.device.type != "cuda" or problem.dtype.itemsize != 2:
+        return 1
+    else:
+        chunks = 2
+        programs = k_programs * problem.batch * (problem.heads // chunks) // group_drive
+        index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+        if programs < 4 * _multiprocessors(index):
+            return 1
+    heads_units = problem.heads // unit
+    while chunks > 1 and heads_units % chunks:
+        chunks -= 1
+    return max(chunks, 1)
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule: TileSchedule, needs):
@@ -451,12 +512,6 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
     dk2 = _grad_buffer(k2, varlen) if need_dk2 else None
-    if atomic:  # float32 accumulators, every visit adds into them
-        dq1 = torch.zeros(q1.shape, dtype=torch.float32, device=q1.device) if need_dq1 else None
-        dq2 = torch.zeros(q2.shape, dtype=torch.float32, device=q2.device) if need_dq2 else None
-    else:
-        dq1 = _grad_buffer(q1, varlen) if need_dq1 else None
-        dq2 = _grad_buffer(q2, varlen) if need_dq2 else None
     grad_rows = grad_rows.float()
     block_d1, block_d2 = dim_blocks(problem)
     group1, group2 = group_sizes(problem)
@@ -464,12 +519,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     left, right = window_bounds(problem)
     cu_q, cu_k = varlen_args(problem, schedule.kv_count)
     ieee = problem.dtype == torch.float32
-    common_strides = (
-        *head_strides(q1, varlen), *head_strides(k1, varlen),
-        *head_strides(q2, varlen), *head_strides(k2, varlen),
-        *row_strides(grad_rows, varlen), *stat_strides(lse1, varlen),
-    )
-    flags = dict(BLOCK_D1=block_d1, BLOCK_D2=block_d2, USE_VARLEN=varlen, EVEN_D=even_dims(problem), IEEE=ieee)
+    flags = dict(BLOCK_D1=block_d1, BLOCK_D2=block_d2, USE_VARLEN=varlen, EVEN_D=even_dims(problem), IEEE=ieee,
+                 **arithmetic(problem))
     placeholder = lse1  # any tensor, for the pointers of gradients not asked for
 
     def out_strides(t):
@@ -478,6 +529,9 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     block_q, block_k = bwd_tiles(problem, schedule, two_sides)
     if (block_q, block_k) != (schedule.block_q, schedule.block_k):
         schedule = get_schedule(problem, block_q, block_k)
+    if not atomic:
+        dq1 = _grad_buffer(q1, varlen) if need_dq1 else None
+        dq2 = _grad_buffer(q2, varlen) if need_dq2 else None
     if not atomic and (need_dq1 or need_dq2):
         check_tiles(problem, block_q, block_k)
         rows, num_warps, num_stages = bwd_config(problem, block_q, block_k)
@@ -488,7 +542,10 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             placeholder if dq1 is None else dq1, placeholder if dq2 is None else dq2,
             cu_q, cu_k, schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial,
-            *common_strides, *out_strides(dq1), *out_strides(dq2),
+            *head_strides(q1, varlen), *head_strides(k1, varlen),
+            *head_strides(q2, varlen), *head_strides(k2, varlen),
+            *row_strides(grad_rows, varlen), *stat_strides(lse1, varlen),
+            *out_strides(dq1), *out_strides(dq2),
             *broadcast_strides(schedule.kv_count), *broadcast_strides(schedule.kv_index)[:3],
             problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
             scale1, scale2, left, right, problem.dim1, problem.dim2, q_programs,
@@ -500,28 +557,58 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
 
     side1 = need_dk1 or (atomic and need_dq1)
     side2 = need_dk2 or (atomic and need_dq2)
-    if side1 or side2:
-        check_tiles(problem, block_q, block_k)
-        keys = get_key_schedule(schedule)
-        # one launch when both sides group query heads alike, else one per side
-        if side1 and side2 and group1 != group2:
-            launches = [(group1, True, False), (group2, False, True)]
+    if not (side1 or side2):
+        return dq1, dk1, dq2, dk2
+    check_tiles(problem, block_q, block_k)
+    keys = get_key_schedule(schedule)
+    # one launch when both sides group query heads alike, else one per side
+    if side1 and side2 and group1 != group2:
+        launches = [(group1, True, False), (group2, False, True)]
+    else:
+        launches = [(group1 if side1 else group2, side1, side2)]
+    num_warps, num_stages = kv_config(problem, block_q, block_k)
+    k_programs = num_k_tiles(problem, block_k)
+    tables = (keys.q_count, keys.q_full, keys.q_index, keys.q_partial)
+    chunks = atomic_head_chunks(problem, k_programs, launches[0][0]) if atomic else 1
+    per_chunk = problem.heads // chunks
+    accum = (None, None)
+    if atomic:  # float32 accumulators of one chunk of heads, every visit adds into them
+        accum = tuple(
+            torch.zeros(_heads(q, varlen, 0, per_chunk).shape, dtype=torch.float32, device=q.device) if need else None
+            for q, need in ((q1, need_dq1), (q2, need_dq2))
+        )
+        if chunks > 1:  # every row of every chunk is copied in, varlen tail rows included (zeros)
+            dq1 = torch.empty_like(q1) if need_dq1 else None
+            dq2 = torch.empty_like(q2) if need_dq2 else None
+    for chunk in range(chunks):
+        lo, hi = chunk * per_chunk, (chunk + 1) * per_chunk
+        if chunks > 1:
+            if chunk:
+                for a in accum:
+                    if a is not None:
+                        a.zero_()
+            c_q1, c_q2, c_grad = (_heads(t, varlen, lo, hi) for t in (q1, q2, grad_rows))
+            c_k1, c_dk1 = (_heads(t, varlen, lo // group1, hi // group1) for t in (k1, dk1))
+            c_k2, c_dk2 = (_heads(t, varlen, lo // group2, hi // group2) for t in (k2, dk2))
+            c_lse1, c_lse2, c_expect = (_heads(t, varlen, lo, hi, stat=True) for t in (lse1, lse2, expect))
+            c_tables = tuple(t if t.shape[1] == 1 else t[:, lo:hi] for t in tables)
         else:
-            launches = [(group1 if side1 else group2, side1, side2)]
-        num_warps, num_stages = kv_config(problem, block_q, block_k)
-        k_programs = num_k_tiles(problem, block_k)
+            c_q1, c_q2, c_grad, c_k1, c_dk1, c_k2, c_dk2 = q1, q2, grad_rows, k1, dk1, k2, dk2
+            c_lse1, c_lse2, c_expect, c_tables = lse1, lse2, expect, tables
         for group_drive, on1, on2 in launches:
             atomic1, atomic2 = on1 and atomic and need_dq1, on2 and atomic and need_dq2
-            grid = (k_programs * problem.batch * (problem.heads // group_drive),)
+            grid = (k_programs * problem.batch * (per_chunk // group_drive),)
             args = (
-                q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
-                dk1 if on1 and need_dk1 else placeholder, dk2 if on2 and need_dk2 else placeholder,
-                dq1 if atomic1 else placeholder, dq2 if atomic2 else placeholder,
-                cu_q, cu_k, keys.q_count, keys.q_full, keys.q_index, keys.q_partial,
-                *common_strides, *out_strides(dk1), *out_strides(dk2),
-                *out_strides(dq1 if atomic else None), *out_strides(dq2 if atomic else None),
-                *broadcast_strides(keys.q_count), *broadcast_strides(keys.q_index)[:3],
-                problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2, group_drive,
+                c_q1, c_k1, c_q2, c_k2, c_lse1, c_lse2, c_expect, c_grad,
+                c_dk1 if on1 and need_dk1 else placeholder, c_dk2 if on2 and need_dk2 else placeholder,
+                accum[0] if atomic1 else placeholder, accum[1] if atomic2 else placeholder,
+                cu_q, cu_k, *c_tables,
+                *head_strides(c_q1, varlen), *head_strides(c_k1, varlen),
+                *head_strides(c_q2, varlen), *head_strides(c_k2, varlen),
+                *row_strides(c_grad, varlen), *stat_strides(c_lse1, varlen),
+                *out_strides(c_dk1), *out_strides(c_dk2), *out_strides(accum[0]), *out_strides(accum[1]),
+                *broadcast_strides(c_tables[0]), *broadcast_strides(c_tables[2])[:3],
+                problem.seqlen_q, problem.seqlen_k, per_chunk, group1, group2, group_drive,
                 scale1, scale2, left, right, problem.dim1, problem.dim2, k_programs,
             )
             constexprs = dict(
@@ -530,7 +617,11 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             )
             launch(_kl_bwd_kv_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps,
                    num_stages, **constexprs)
-    if atomic:
-        dq1 = dq1.to(q1.dtype) if dq1 is not None else None
-        dq2 = dq2.to(q2.dtype) if dq2 is not None else None
+        if atomic and chunks > 1:
+            for out, a in zip((dq1, dq2), accum):
+                if a is not None:
+                    _heads(out, varlen, lo, hi).copy_(a)
+    if atomic and chunks == 1:
+        dq1 = accum[0].to(q1.dtype) if accum[0] is not None else None
+        dq2 = accum[1].to(q2.dtype) if accum[1] is not None else None
     return dq1, dk1, dq2, dk2
