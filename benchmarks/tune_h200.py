@@ -255,6 +255,26 @@ def main():
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
         print(table, flush=True)
         (out / "profile_fwd.txt").write_text(table)
+        # where the host time goes: cProfile of real calls (kernels launched, GPU busy meanwhile)
+        import cProfile
+        import io
+        import pstats
+
+        xs = inputs(n, h, 128, grads=(False, False, True, True))
+        report = io.StringIO()
+        for label, fn in (("forward", kl_fn(x, causal=True)), ("forward+backward", kl_fn(xs, True, causal=True))):
+            fn()
+            torch.cuda.synchronize()
+            profiler = cProfile.Profile()
+            for _ in range(10):
+                torch.cuda._sleep(100_000_000)
+                profiler.enable()
+                fn()
+                profiler.disable()
+                torch.cuda.synchronize()
+            report.write(f"===== {label}: 10 calls\n")
+            pstats.Stats(profiler, stream=report).sort_stats("cumulative").print_stats(35)
+        (out / "host_profile.txt").write_text(report.getvalue())
     if "check" in sections:
         for cfg in fwd_configs + bwd_configs:
             try:

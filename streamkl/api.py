@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from streamkl.autograd import kl_forward
 from streamkl.dispatch import choose_backend
 from streamkl.problem import build_problem, check_output_options
+from streamkl.sparse.schedule import cached
 
 NEG_INF = float("-inf")
 
@@ -59,7 +62,7 @@ def kl(
     )
     impl = choose_backend(problem, backend)
     kl_rows, lse1, lse2 = kl_forward(problem, impl, q1, k1, q2, k2)
-    out = reduce_rows(kl_rows, lse1, reduction)
+    out = reduce_rows(kl_rows, lse1, reduction, problem)
     if return_lse:
         return out, lse1.detach(), lse2.detach()
     return out
@@ -72,13 +75,31 @@ def _may_sync() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str) -> torch.Tensor:
+def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str, problem=None) -> torch.Tensor:
     """The SPEC's reductions; `mean` divides by the rows whose side-1 support is non-empty."""
     if reduction == "none":
         return kl_rows
     total = kl_rows.sum()
     if reduction == "sum":
         return total
+    return total / supported_rows(lse1, problem)
+
+
+_COUNTS: OrderedDict = OrderedDict()
+
+
+def supported_rows(lse1: torch.Tensor, problem=None) -> torch.Tensor:
+    """How many (row, head) pairs have a non-empty side-1 support, at least 1 (an int64 tensor on
+    lse1's device). lse1 is -inf exactly there, whatever the input values (NaN and inf inputs give
+    NaN, not -inf), so the count depends on the problem's structure alone: it is computed once per
+    structure (masks, cu_seqlens, shapes, causality, window, batch and heads) and cached, which saves
+    three device ops per call (the comparison, the count, the clamp)."""
+    if problem is None or torch.compiler.is_compiling():
+        return _count_supported(lse1)
+    extra = (tuple(lse1.shape), problem.batch, problem.heads)
+    return cached(_COUNTS, problem, extra, lambda: _count_supported(lse1))
+
+
+def _count_supported(lse1: torch.Tensor) -> torch.Tensor:
     # count_nonzero: no int64 copy of the mask (a bool .sum() makes one on some devices)
-    count = torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)  # int64; the division is done in float32
-    return total / count
+    return torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)  # the division is done in float32

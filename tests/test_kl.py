@@ -129,6 +129,37 @@ def test_reductions(reduction, backend):
     assert all(torch.isfinite(t.grad).all() for t in inputs)
 
 
+def test_mean_counts_rows_of_each_structure(backend):
+    """The mean's row count is cached per structure: alternating structures on the same inputs
+    (causal with empty rows / not causal / block masks that empty rows / varlen cu_seqlens, then
+    the same cu_seqlens changed in place) each divide by their own count."""
+    from streamkl.sparse.block_mask import BlockMask
+
+    inputs = make_inputs((1, 40), (1, 24), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
+    pattern = torch.ones(1, 2, 3, 2, dtype=torch.bool, device=DEVICE)
+    pattern[0, 1, 0] = False  # head 1's first 16 rows see no key on side 1
+    mask = BlockMask.from_dense(pattern, 16)
+
+    def check(**kwargs):
+        rows, lse1, _ = reference_kl(*(t.double() for t in inputs), **kwargs)
+        expected = rows.sum() / torch.isfinite(lse1).sum()
+        assert rel_l2(streamkl.kl(*inputs, backend=backend, **kwargs), expected) <= 1e-5
+
+    pattern[0, 0, 1] = False
+    other = BlockMask.from_dense(pattern, 16)  # head 0 loses rows 16-31 too
+    for kwargs in (dict(causal=True), dict(), dict(causal=True), dict(mask1=mask), dict(mask1=other), dict()):
+        check(**kwargs)
+    packed = [t[0].detach() for t in inputs]  # (T, H, D)
+    cu_q = torch.tensor([0, 30, 40], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 4, 24], dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        rows, lse1, _ = reference_kl(*(t.double() for t in packed), cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=True)
+        expected = rows.sum() / torch.isfinite(lse1).sum()
+        out = streamkl.kl(*packed, cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=True, backend=backend)
+        assert rel_l2(out, expected) <= 1e-5
+        cu_k[1] = 0  # in place: sequence 0 loses its keys, all its rows become empty
+
+
 def test_nearly_identical_distributions(backend):
     """q2 = q1 + 1e-3 noise, same keys: per-row KL ~1e-7, absolute error <= 1e-5."""
     batch, n, heads, dim = 2, 150, 3, 32

@@ -347,7 +347,7 @@ def test_atomic_pass_in_head_chunks(monkeypatch):
 
 @pytest.mark.parametrize("fold", [False, True], ids=["plain", "fold"])
 def test_score_arithmetic_variants(fold, monkeypatch):
-    """Both score-arithmetic variants of the 16-bit kernels (scales folded into the exponent
+    """The score-arithmetic variants of the 16-bit kernels (scales folded into the exponent
     arguments, or not) against the float64 reference, forward and backward, including peaked
     distributions whose probabilities span many orders of magnitude, and a negative scale (never
     folded)."""

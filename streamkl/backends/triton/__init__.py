@@ -67,7 +67,9 @@ class TritonBackend(Backend):
 
         if not torch.cuda.is_available():
             return ["no CUDA GPU is visible (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"]
-        major, minor = torch.cuda.get_device_capability()
+        from streamkl.backends.triton.common import capability
+
+        major, minor = capability(torch.cuda.current_device())
         if major < 8:
             return [f"the GPU has compute capability {major}.{minor}; the Triton kernels need 8.0 (Ampere) or newer"]
         return []

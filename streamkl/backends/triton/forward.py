@@ -16,6 +16,7 @@ from streamkl.backends.triton.common import (
     _dot,
     _partial_allowed,
     broadcast_strides,
+    capability,
     cdiv,
     check_tiles,
     dim_blocks,
@@ -37,23 +38,13 @@ from streamkl.sparse.schedule import TileSchedule
 
 
 @triton.jit
-def _fwd_step(
-    b_q1, b_q2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start, window_left, window_right,
-    stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-    b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
+def _fwd_scores(
+    b_q1, b_q2, p_k1, p_k2, k_tile, len_k, k_start, stride_k1n, stride_k2n, m_d1, m_d2,
     K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
     BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
-    USE_TMA: tl.constexpr, FOLD: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """One key tile of the online statistics. MASKED=False: a full tile (every key in range and
-    allowed on both sides, every row in range): no masks, no -inf guards.
-
-    FOLD (full tiles, positive scales): the scale is folded into each exponent's argument (one FMA
-    per score instead of a multiply and a subtract), row maxima are taken on the raw products, and
-    the side-1 expectation accumulates e1 * (t1 - t2) with t = s - m, plus (m1 - m2) * sum(e1) per
-    row: the same sum of e1 * (s1 - s2), ~30 % fewer float32 operations per score (measured on the
-    H200: forward 6 % faster at D=128, 4 % at D=64). Packed float16 exponentials (`ex2.approx.f16x2`)
-    for one or both sides were measured slower (the conversions cost more than the exp unit saves)."""
+    """The raw products q1 k1^T, q2 k2^T [BQ, BK] of one key tile (keys loaded transposed)."""
     o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     o_keys = (k_start + o_j).to(tl.int64)
     p_kt1 = p_k1 + o_keys[None, :] * stride_k1n
@@ -75,6 +66,48 @@ def _fwd_step(
         b_k2 = tl.load(p_kt2, mask=m_d2[:, None], other=0.0)
     b_r1 = _dot(b_q1, b_k1, IEEE)  # [BQ, BK], raw products
     b_r2 = _dot(b_q2, b_k2, IEEE)
+    return b_r1, b_r2
+
+
+@triton.jit
+def _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc):
+    """The online statistics after one full tile, scales folded (`_fwd_step`'s FOLD)."""
+    b_m1_new = tl.maximum(b_m1, tl.max(b_r1, axis=1) * scale1)
+    b_m2_new = tl.maximum(b_m2, tl.max(b_r2, axis=1) * scale2)
+    b_t1 = b_r1 * scale1 - b_m1_new[:, None]  # one FMA each
+    b_t2 = b_r2 * scale2 - b_m2_new[:, None]
+    b_e1 = tl.exp2(b_t1)
+    b_alpha1 = tl.exp2(b_m1 - b_m1_new)
+    b_sum1 = tl.sum(b_e1, axis=1)
+    b_l1 = b_l1 * b_alpha1 + b_sum1
+    b_acc = b_acc * b_alpha1 + (tl.sum(b_e1 * (b_t1 - b_t2), axis=1) + (b_m1_new - b_m2_new) * b_sum1)
+    b_l2 = b_l2 * tl.exp2(b_m2 - b_m2_new) + tl.sum(tl.exp2(b_t2), axis=1)
+    return b_m1_new, b_m2_new, b_l1, b_l2, b_acc
+
+
+@triton.jit
+def _fwd_step(
+    b_q1, b_q2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start, window_left, window_right,
+    stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
+    b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
+    K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
+    BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr, FOLD: tl.constexpr,
+):
+    """One key tile of the online statistics. MASKED=False: a full tile (every key in range and
+    allowed on both sides, every row in range): no masks, no -inf guards.
+
+    FOLD (full tiles, positive scales): the scale is folded into each exponent's argument (one FMA
+    per score instead of a multiply and a subtract), row maxima are taken on the raw products, and
+    the side-1 expectation accumulates e1 * (t1 - t2) with t = s - m, plus (m1 - m2) * sum(e1) per
+    row: the same sum of e1 * (s1 - s2), ~30 % fewer float32 operations per score (measured on the
+    H200: forward 6 % faster at D=128, 4 % at D=64). Packed float16 exponentials (`ex2.approx.f16x2`)
+    for one or both sides were measured slower (the conversions cost more than the exp unit saves)."""
+    o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    b_r1, b_r2 = _fwd_scores(
+        b_q1, b_q2, p_k1, p_k2, k_tile, len_k, k_start, stride_k1n, stride_k2n, m_d1, m_d2,
+        K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2, BLOCK_K, MASKED, EVEN_D, IEEE, USE_TMA,
+    )
     if MASKED:
         b_s1 = b_r1 * scale1  # log2 units
         b_s2 = b_r2 * scale2
@@ -89,16 +122,7 @@ def _fwd_step(
         b_shift1 = tl.where(b_m1_new == float("-inf"), 0.0, b_m1_new)
         b_shift2 = tl.where(b_m2_new == float("-inf"), 0.0, b_m2_new)
     elif FOLD:
-        b_m1_new = tl.maximum(b_m1, tl.max(b_r1, axis=1) * scale1)
-        b_m2_new = tl.maximum(b_m2, tl.max(b_r2, axis=1) * scale2)
-        b_t1 = b_r1 * scale1 - b_m1_new[:, None]  # one FMA each
-        b_t2 = b_r2 * scale2 - b_m2_new[:, None]
-        b_e1 = tl.exp2(b_t1)
-        b_alpha1 = tl.exp2(b_m1 - b_m1_new)
-        b_sum1 = tl.sum(b_e1, axis=1)
-        b_l1 = b_l1 * b_alpha1 + b_sum1
-        b_acc = b_acc * b_alpha1 + (tl.sum(b_e1 * (b_t1 - b_t2), axis=1) + (b_m1_new - b_m2_new) * b_sum1)
-        b_l2 = b_l2 * tl.exp2(b_m2 - b_m2_new) + tl.sum(tl.exp2(b_t2), axis=1)
+        b_m1_new, b_m2_new, b_l1, b_l2, b_acc = _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc)
     else:
         b_s1 = b_r1 * scale1
         b_s2 = b_r2 * scale2
@@ -261,13 +285,14 @@ def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     block_d1, block_d2 = dim_blocks(problem)
     block_d = max(block_d1, block_d2)
     big = block_d > 128
-    # 16-bit, D <= 64: the exp unit is the bound; 64-row programs of 4 warps measured fastest
+    # 16-bit, D <= 64: the exp unit is the bound; 64-row programs of 4 warps, 3 stages measured
+    # fastest (1.00x / 0.98x SDPA non-causal / causal, against 1.02x / 1.05x with 2 stages)
     small = block_d <= 64 and problem.dtype.itemsize == 2
     rows = min(block_q, 64 if big or small else 128)
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize  # one query or key row, both sides
-    # 16-bit budgets measured on the H200 this session; float32 keeps the first session's
+    # 16-bit budgets measured on the H200; float32 keeps the first session's
     budget = 200 * 1024 if problem.dtype.itemsize == 2 else 160 * 1024
-    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes, most=2 if small else 3, budget=budget)
+    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes, most=3, budget=budget)
     rows, warps, stages = TUNE.get("fwd", (rows, 8 if rows >= 128 or big else 4, stages))
     return min(rows, block_q), warps, stages
 
@@ -282,7 +307,9 @@ def arithmetic(problem: Problem) -> dict:
 
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "fwd" -> (rows, warps, stages), "tma" -> bool,
-#: "fold" -> bool.
+#: "fold" -> bool. Tried and measured slower on the H200 (tune_h200_round4.jsonl): the full-tile
+#: loop software-pipelined by hand (the next tile's products issued before this tile's
+#: exponentials): 1.69x SDPA with 128x128 tiles (registers spill), 1.11x with 128x64.
 TUNE: dict = {}
 #: Keys through TMA descriptors on Hopper and newer GPUs up to this head dim. Measured on the H200
 #: (benchmarks/results/tune_h200_round2.jsonl, N=16K bf16): D=64 1.18x -> 1.07x the SDPA forward
@@ -304,7 +331,7 @@ def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_
         return None
     elif problem.device.type != "cuda":
         return None
-    elif torch.cuda.get_device_capability(problem.device)[0] < 9:
+    elif capability(problem.device.index if problem.device.index is not None else torch.cuda.current_device())[0] < 9:
         return None
     if not even_dims(problem):
         return None
