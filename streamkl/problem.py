@@ -8,6 +8,7 @@ dtypes, devices, strides); the few checks that read tensor values (`cu_seqlens` 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -166,10 +167,30 @@ def _check_cu_seqlens_meta(name: str, cu: object, total: int, device: torch.devi
 
 
 def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int) -> int:
-    """Value checks on cu_seqlens: start at 0, non-decreasing, last entry <= total. One host sync.
+    """Value checks on cu_seqlens: start at 0, non-decreasing, last entry <= total. One host sync
+    the first time a table is seen (`host_values`).
 
     Returns the longest sequence length, so that a given `max_seqlen` can be checked against it."""
-    return _check_cu_seqlens_host(name, cu.detach().to("cpu", torch.int64), total)
+    return _check_cu_seqlens_host(name, host_values(cu), total)
+
+
+_HOST_VALUES: OrderedDict = OrderedDict()
+
+
+def host_values(cu: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens as a CPU int64 tensor, cached per table (id, version, address; the cache keeps the
+    table alive, 32 entries): a training loop that passes the same table again pays no device copy
+    and sync. A table changed in place through torch moves its version and is read again."""
+    key = (id(cu), cu._version, cu.data_ptr(), cu.numel())
+    hit = _HOST_VALUES.get(key)
+    if hit is not None:
+        _HOST_VALUES.move_to_end(key)
+        return hit[0]
+    values = cu.detach().to("cpu", torch.int64)
+    _HOST_VALUES[key] = (values, cu)
+    while len(_HOST_VALUES) > 32:
+        _HOST_VALUES.popitem(last=False)
+    return values
 
 
 def _check_cu_seqlens_host(
@@ -314,7 +335,7 @@ def build_problem(
         given_k = None if max_seqlen_k is None else _check_max_seqlen("max_seqlen_k", max_seqlen_k)
         longest_q = longest_k = tail_start = None
         if check_values:
-            values_q = cu_q.detach().to("cpu", torch.int64)
+            values_q = host_values(cu_q)
             tail_start = int(values_q[-1])  # rows from here on belong to no sequence
             longest_q = _check_cu_seqlens_host("cu_seqlens", values_q, total_q)
             if cu_k is cu_q:  # cu_seqlens also delimits the keys: it must fit k1's packed length too

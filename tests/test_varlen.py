@@ -101,3 +101,18 @@ def test_pack_unpack_roundtrip():
     back = unpack(packed, keep)
     assert torch.equal(back[keep], x[keep])
     assert torch.equal(back[~keep], torch.zeros_like(back[~keep]))
+
+
+def test_cu_seqlens_checked_again_after_an_in_place_change():
+    """cu_seqlens values are read to the host once per table (cached), but a table changed in
+    place is read and checked again: a now-invalid table still raises before any kernel runs."""
+    inputs = make_inputs((40,), (40,), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32, device=DEVICE)
+    first = streamkl.kl(*inputs, cu_seqlens=cu, backend="torch")
+    assert torch.equal(streamkl.kl(*inputs, cu_seqlens=cu, backend="torch"), first)
+    cu[1] = 30
+    moved = streamkl.kl(*inputs, cu_seqlens=cu, backend="torch")
+    assert not torch.equal(moved, first)
+    cu[1] = 50  # past the packed length of 40... and decreasing
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        streamkl.kl(*inputs, cu_seqlens=cu, backend="torch")
