@@ -66,6 +66,23 @@ _INTERPRET = tl.constexpr(interpreting())
 
 # ---------------------------------------------------------------------------------- device side
 @triton.jit
+def _sequence_span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, USE_VARLEN: tl.constexpr):
+    """(first query row, query length, first key row, key length) of sequence `seq`: from the
+    cu_seqlens tables for packed (varlen) inputs, else 0 and the padded lengths."""
+    if USE_VARLEN:
+        q_start = tl.load(CU_Q + seq)
+        len_q = tl.load(CU_Q + seq + 1) - q_start
+        k_start = tl.load(CU_K + seq)
+        len_k = tl.load(CU_K + seq + 1) - k_start
+    else:
+        q_start = 0
+        len_q = seqlen_q
+        k_start = 0
+        len_k = seqlen_k
+    return q_start, len_q, k_start, len_k
+
+
+@triton.jit
 def _structural_allowed(o_i, o_j, len_q, len_k, window_left, window_right):
     """[BQ, BK] bool: sequence bounds, causality and window (bottom-right aligned, per sequence).
 

@@ -15,6 +15,7 @@ from streamkl.backends.triton.common import (
     LN2_K,
     _dot,
     _partial_allowed,
+    _sequence_span,
     broadcast_strides,
     capability,
     cdiv,
@@ -175,16 +176,7 @@ def _kl_fwd_kernel(
     seq = pid_bh // heads
     head = pid_bh % heads
     tile = pid_q // SUB_TILES  # the schedule's query tile
-    if USE_VARLEN:
-        q_start = tl.load(CU_Q + seq)
-        len_q = tl.load(CU_Q + seq + 1) - q_start
-        k_start = tl.load(CU_K + seq)
-        len_k = tl.load(CU_K + seq + 1) - k_start
-    else:
-        q_start = 0
-        len_q = seqlen_q
-        k_start = 0
-        len_k = seqlen_k
+    q_start, len_q, k_start, len_k = _sequence_span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, USE_VARLEN)
     seq64 = seq.to(tl.int64)
 
     o_i = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # sequence-local query rows
