@@ -362,3 +362,29 @@ def test_score_arithmetic_variants(fold, monkeypatch):
     both = make_inputs((1, 200), (1, 230), 2, (2, 1), (32, 64), torch.float16, device)
     check_against_reference(both, "triton", scale1=0.5, scale2=0.3)
     check_against_reference(both, "triton", scale1=-0.2, window=(50, 50))
+
+
+def test_atomic_head_chunk_choice(monkeypatch):
+    """When the atomic pass splits its heads (any machine: the GPU's multiprocessor count is
+    faked): two chunks once each still fills the GPU four times over, never a chunk that splits a
+    GQA group of either side, no split for float32 or a small grid."""
+    from types import SimpleNamespace
+
+    from streamkl.backends.triton import backward
+
+    monkeypatch.setattr(backward, "interpreting", lambda: False)
+    monkeypatch.setattr(backward, "_multiprocessors", lambda index: 132)
+
+    def chunks(heads, heads_k, k_programs, itemsize=2, batch=1):
+        problem = SimpleNamespace(heads=heads, heads_k1=heads_k[0], heads_k2=heads_k[1], batch=batch,
+                                  device=torch.device("cuda", 0), dtype=torch.bfloat16 if itemsize == 2 else torch.float32)
+        group_drive = heads // heads_k[1]
+        return backward.atomic_head_chunks(problem, k_programs, group_drive)
+
+    assert chunks(16, (16, 16), 128) == 2  # N=16K, 128-key tiles: 1024 programs a chunk
+    assert chunks(16, (16, 16), 64) == 1  # N=8K: 512 programs a chunk, under 4 x 132
+    assert chunks(16, (16, 16), 128, itemsize=4) == 1
+    assert chunks(16, (2, 4), 512) == 2  # groups of 8 and 4: chunks of 8 heads
+    assert chunks(8, (1, 8), 1024) == 1  # one teacher key head for all 8: no split possible
+    assert chunks(12, (4, 12), 1024) == 2  # teacher groups of 3: two chunks of 6 heads
+    assert chunks(12, (3, 12), 1024) == 1  # teacher groups of 4: 3 groups do not halve
