@@ -161,8 +161,19 @@ def _rows_from_lse(lse: torch.Tensor, varlen: bool) -> torch.Tensor:
 def _setup_context(ctx, inputs, output):
     q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats, backend = inputs
     _, lse1, lse2, expect = output
-    ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2)
+    ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, _expect_to_save(ctx, lse1, expect), cu_q, cu_k, mask1, mask2)
     ctx.ints, ctx.floats, ctx.backend = ints, floats, backend
+
+
+def _expect_to_save(ctx, lse1: torch.Tensor, expect: torch.Tensor) -> torch.Tensor:
+    """E enters only side 1's gradients (dS1 = g p (d - E)): when neither q1 nor k1 needs a
+    gradient (a detached teacher, the usual distillation), lse1 stands in for it (same shape and
+    layout, never read for side 2), so the forward keeps 8 bytes per (row, head) until the
+    backward instead of 12."""
+    needs = getattr(ctx, "needs_input_grad", None)
+    if needs is not None and not needs[0] and not needs[1]:
+        return lse1
+    return expect
 
 
 def _backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
@@ -194,7 +205,7 @@ class _EagerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q1, k1, q2, k2, problem, impl):
         (kl_rows, lse1, lse2, expect), schedule = run_forward(problem, impl, q1, k1, q2, k2)
-        ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, expect)
+        ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, _expect_to_save(ctx, lse1, expect))
         ctx.problem, ctx.impl, ctx.schedule = problem, impl, schedule
         ctx.mark_non_differentiable(lse1, lse2, expect)
         ctx.set_materialize_grads(False)

@@ -301,3 +301,19 @@ def test_float32_stays_full_precision_under_tf32_setting(backend):
         assert torch.get_float32_matmul_precision() == "medium", "the caller's setting was not restored"
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_detached_teacher_saves_no_expectation(backend):
+    """With a detached teacher the forward keeps only lse1 and lse2 for the backward (E is not
+    needed for the student's gradients); with teacher gradients it keeps E too. Gradients match the
+    reference either way (the shared tests cover every subset)."""
+    student = make_inputs((1, 40), (1, 50), 2, (1, 2), (16, 16), torch.float32, DEVICE, (False, False, True, True))
+    out, lse1, _ = streamkl.kl(*student, reduction="none", return_lse=True, backend=backend, causal=True)
+    saved = out.grad_fn.saved_tensors
+    assert saved[6].data_ptr() == saved[4].data_ptr()  # lse1 in E's place
+    check_against_reference(student, backend, causal=True)
+    both = make_inputs((1, 40), (1, 50), 2, (1, 2), (16, 16), torch.float32, DEVICE, (True, False, True, False))
+    out, _, _ = streamkl.kl(*both, reduction="none", return_lse=True, backend=backend, causal=True)
+    saved = out.grad_fn.saved_tensors
+    assert saved[6].data_ptr() != saved[4].data_ptr()
+    check_against_reference(both, backend, causal=True)
