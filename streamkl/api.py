@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from streamkl.autograd import kl_forward
 from streamkl.dispatch import choose_backend
-from streamkl.problem import build_problem, check_output_options
-from streamkl.sparse.schedule import cached
+from streamkl.problem import build_problem, check_output_options, structural_row_count
 
 NEG_INF = float("-inf")
 
@@ -82,24 +79,9 @@ def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str, probl
     total = kl_rows.sum()
     if reduction == "sum":
         return total
-    return total / supported_rows(lse1, problem)
-
-
-_COUNTS: OrderedDict = OrderedDict()
-
-
-def supported_rows(lse1: torch.Tensor, problem=None) -> torch.Tensor:
-    """How many (row, head) pairs have a non-empty side-1 support, at least 1 (an int64 tensor on
-    lse1's device). lse1 is -inf exactly there, whatever the input values (NaN and inf inputs give
-    NaN, not -inf), so the count depends on the problem's structure alone: it is computed once per
-    structure (masks, cu_seqlens, shapes, causality, window, batch and heads) and cached, which saves
-    three device ops per call (the comparison, the count, the clamp)."""
-    if problem is None or torch.compiler.is_compiling():
-        return _count_supported(lse1)
-    extra = (tuple(lse1.shape), problem.batch, problem.heads)
-    return cached(_COUNTS, problem, extra, lambda: _count_supported(lse1))
-
-
-def _count_supported(lse1: torch.Tensor) -> torch.Tensor:
-    # count_nonzero: no int64 copy of the mask (a bool .sum() makes one on some devices)
-    return torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)  # the division is done in float32
+    count = None if problem is None else structural_row_count(problem)
+    if count is not None:  # no device op, no temporary
+        return total / max(count, 1)
+    # a side-1 block mask (or varlen lengths unknown on the host): count the rows lse1 says are
+    # non-empty; count_nonzero makes no int64 copy of the mask (a bool .sum() does on some devices)
+    return total / torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)

@@ -336,6 +336,7 @@ def build_problem(
         longest_q = longest_k = tail_start = None
         if check_values:
             values_q = host_values(cu_q)
+            values_k = values_q if cu_k is cu_q else host_values(cu_k)
             tail_start = int(values_q[-1])  # rows from here on belong to no sequence
             longest_q = _check_cu_seqlens_host("cu_seqlens", values_q, total_q)
             if cu_k is cu_q:  # cu_seqlens also delimits the keys: it must fit k1's packed length too
@@ -374,7 +375,36 @@ def build_problem(
     )
     if tail_start is not None:  # known on the host from the value checks: see backends/base.write_tail_rows
         problem.extra["tail_start_q"] = tail_start
+        problem.extra["host_cu"] = (values_q, values_k)  # CPU copies, for structural_row_count
     return problem
+
+
+def structural_row_count(problem: Problem) -> int | None:
+    """How many (query row, head) pairs have a non-empty side-1 support, from the structure alone
+    (sequence lengths, causality, window), or None where that needs the data: a side-1 block mask,
+    or varlen lengths not known on the host (no value check: torch.compile, CUDA-graph capture).
+
+    Row i of a sequence (lengths nq, nk, offset nk - nq) sees keys in [i + off - left, i + off +
+    right] within [0, nk): non-empty iff nk > 0, i >= -off - right (right bounded) and
+    i <= nk - 1 - off + left (left bounded)."""
+    if problem.mask1 is not None:
+        return None
+    if problem.is_varlen:
+        host = problem.extra.get("host_cu")
+        if host is None:
+            return None
+        len_q, len_k = host[0][1:] - host[0][:-1], host[1][1:] - host[1][:-1]
+    else:
+        len_q = torch.tensor([problem.seqlen_q], dtype=torch.int64)
+        len_k = torch.tensor([problem.seqlen_k], dtype=torch.int64)
+    left, right = problem.window
+    if problem.causal:
+        right = 0 if right < 0 else min(right, 0)
+    offset = len_k - len_q
+    first = (-offset - right).clamp(min=0) if right >= 0 else torch.zeros_like(len_q)
+    last = torch.minimum(len_q - 1, len_k - 1 - offset + left) if left >= 0 else len_q - 1
+    rows = ((last - first + 1).clamp(min=0) * (len_k > 0)).sum()
+    return int(rows) * problem.heads * (1 if problem.is_varlen else problem.batch)
 
 
 def describe_problem(

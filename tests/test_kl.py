@@ -130,33 +130,39 @@ def test_reductions(reduction, backend):
 
 
 def test_mean_counts_rows_of_each_structure(backend):
-    """The mean's row count is cached per structure: alternating structures on the same inputs
-    (causal with empty rows / not causal / block masks that empty rows / varlen cu_seqlens, then
-    the same cu_seqlens changed in place) each divide by their own count."""
+    """The mean divides by the rows with a non-empty side-1 support, counted from the structure
+    (lengths, causality, window) without a device op, or from lse1 under a side-1 block mask:
+    alternating structures on the same inputs each divide by their own count (empty rows from
+    Nq > Nk causal, windows on either side, block masks, varlen with an empty key sequence, the
+    same cu_seqlens changed in place)."""
     from streamkl.sparse.block_mask import BlockMask
 
     inputs = make_inputs((1, 40), (1, 24), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
     pattern = torch.ones(1, 2, 3, 2, dtype=torch.bool, device=DEVICE)
     pattern[0, 1, 0] = False  # head 1's first 16 rows see no key on side 1
     mask = BlockMask.from_dense(pattern, 16)
-
-    def check(**kwargs):
-        rows, lse1, _ = reference_kl(*(t.double() for t in inputs), **kwargs)
-        expected = rows.sum() / torch.isfinite(lse1).sum()
-        assert rel_l2(streamkl.kl(*inputs, backend=backend, **kwargs), expected) <= 1e-5
-
     pattern[0, 0, 1] = False
     other = BlockMask.from_dense(pattern, 16)  # head 0 loses rows 16-31 too
-    for kwargs in (dict(causal=True), dict(), dict(causal=True), dict(mask1=mask), dict(mask1=other), dict()):
-        check(**kwargs)
+
+    def check(x, **kwargs):
+        rows, lse1, _ = reference_kl(*(t.double() for t in x), **kwargs)
+        expected = rows.sum() / max(int(torch.isfinite(lse1).sum()), 1)
+        assert rel_l2(streamkl.kl(*x, backend=backend, **kwargs), expected) <= 1e-5, kwargs
+
+    structures = (dict(causal=True), dict(), dict(window=(3, 0)), dict(window=(0, 2)), dict(window=(2, -1)),
+                  dict(window=(-1, 0)), dict(causal=True, window=(4, 9)), dict(mask1=mask), dict(mask1=other),
+                  dict(causal=True, mask1=mask, mask2=mask))
+    for kwargs in structures:
+        check(inputs, **kwargs)
+    short_q = [t[:, :10] if i % 2 == 0 else t for i, t in enumerate(inputs)]  # Nq < Nk
+    for kwargs in (dict(causal=True), dict(window=(0, 0)), dict(window=(1, -1))):
+        check(short_q, **kwargs)
     packed = [t[0].detach() for t in inputs]  # (T, H, D)
     cu_q = torch.tensor([0, 30, 40], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 4, 24], dtype=torch.int32, device=DEVICE)
     for _ in range(2):
-        rows, lse1, _ = reference_kl(*(t.double() for t in packed), cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=True)
-        expected = rows.sum() / torch.isfinite(lse1).sum()
-        out = streamkl.kl(*packed, cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=True, backend=backend)
-        assert rel_l2(out, expected) <= 1e-5
+        for kwargs in (dict(causal=True), dict(window=(2, 1))):
+            check(packed, cu_seqlens=cu_q, cu_seqlens_k=cu_k, **kwargs)
         cu_k[1] = 0  # in place: sequence 0 loses its keys, all its rows become empty
 
 

@@ -179,12 +179,6 @@ def get_schedule(problem: Problem, block_q: int, block_k: int) -> TileSchedule:
     tensor changed in place (its version moves) misses the cache."""
     if torch.compiler.is_compiling():
         return build_schedule(problem, block_q, block_k)
-    return cached(_CACHE, problem, (block_q, block_k), lambda: build_schedule(problem, block_q, block_k))
-
-
-def structure_key(problem: Problem) -> tuple[tuple, list]:
-    """(key, tensors) of what decides which (row, key) pairs are allowed: masks, cu_seqlens, shapes,
-    causality, window. The tensors must stay alive while the key is in use (ids are in it)."""
     keyed = [problem.cu_seqlens_q, problem.cu_seqlens_k]
     keyed += [None if m is None else m.pattern for m in (problem.mask1, problem.mask2)]
     key = (
@@ -195,25 +189,18 @@ def structure_key(problem: Problem) -> tuple[tuple, list]:
         problem.causal,
         problem.window,
         str(problem.device),
+        block_q,
+        block_k,
     )
-    return key, keyed
-
-
-def cached(cache: OrderedDict, problem: Problem, extra: tuple, build):
-    """`build()` cached in `cache` (LRU, _CACHE_SIZE entries) per (structure_key, extra); the entry
-    holds the key tensors alive, so an id cannot be reused while it exists, and a tensor changed
-    in place (its version moves) misses."""
-    key, keyed = structure_key(problem)
-    key = (key, extra)
-    hit = cache.get(key)
+    hit = _CACHE.get(key)
     if hit is not None:
-        cache.move_to_end(key)
+        _CACHE.move_to_end(key)
         return hit[0]
-    value = build()
-    cache[key] = (value, keyed)
-    while len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
-    return value
+    schedule = build_schedule(problem, block_q, block_k)
+    _CACHE[key] = (schedule, keyed)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return schedule
 
 
 # ---------------------------------------------------------------------------------- key-major view
