@@ -68,6 +68,11 @@ def sdpa_times(n, h, d, causal):
     return fwd, both - fwd
 
 
+#: configuration keys -> the modules whose TUNE dict reads them ("fold": the score arithmetic of both)
+TUNE_KEYS = {"fwd": (tfwd,), "tma": (tfwd,), "kv_tiles": (tbwd,), "kv_tiles2": (tbwd,), "kv": (tbwd,),
+             "dq": (tbwd,), "fold": (tfwd, tbwd)}
+
+
 def set_config(cfg):
     tfwd.TUNE.clear()
     tbwd.TUNE.clear()
@@ -75,21 +80,10 @@ def set_config(cfg):
     if "tiles" in cfg:
         tiles = cfg["tiles"]
         tb._tile_sizes = lambda *a, **k: tiles
-    if "fwd" in cfg:
-        tfwd.TUNE["fwd"] = cfg["fwd"]
-    if "kv_tiles" in cfg:
-        tbwd.TUNE["kv_tiles"] = cfg["kv_tiles"]
-    if "kv" in cfg:
-        tbwd.TUNE["kv"] = cfg["kv"]
-    if "dq" in cfg:
-        tbwd.TUNE["dq"] = cfg["dq"]
-    if "tma" in cfg:
-        tfwd.TUNE["tma"] = cfg["tma"]
-    if "kv_tiles2" in cfg:
-        tbwd.TUNE["kv_tiles2"] = cfg["kv_tiles2"]
-    if "fold" in cfg:  # score arithmetic, both directions
-        tfwd.TUNE["fold"] = tbwd.TUNE["fold"] = cfg["fold"]
-
+    for key, modules in TUNE_KEYS.items():
+        if key in cfg:
+            for module in modules:
+                module.TUNE[key] = cfg[key]
 
 def check(cfg):
     """Accuracy of this configuration on a small causal GQA bf16 problem (default and deterministic)."""

@@ -280,20 +280,26 @@ def test_gpu_tile_configuration(dims, monkeypatch):
     check_against_reference(packed, "triton", cu_seqlens=cu, causal=True)
 
 
+def spy_launches(monkeypatch, module) -> list:
+    """The names of the kernels `module` launches from now on (the list fills as they run)."""
+    launched = []
+    real_launch = module.launch
+
+    def spy(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(module, "launch", spy)
+    return launched
+
+
 def test_backward_path_choice(monkeypatch):
     """Student gradients: one key-major pass (atomic dq) by default; the two atomic-free kernels
     under deterministic=True, under torch.use_deterministic_algorithms, and for both sides."""
     from streamkl.backends.triton import backward
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    launched = []
-    real_launch = backward.launch
-
-    def spy(kernel, *args, **kwargs):
-        launched.append(kernel.fn.__name__)
-        return real_launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(backward, "launch", spy)
+    launched = spy_launches(monkeypatch, backward)
 
     def kernels(grads, **kwargs):
         launched.clear()
@@ -322,14 +328,7 @@ def test_atomic_pass_in_head_chunks(monkeypatch):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", 4)
-    launched = []
-    real_launch = backward.launch
-
-    def spy(kernel, *args, **kwargs):
-        launched.append(kernel.fn.__name__)
-        return real_launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(backward, "launch", spy)
+    launched = spy_launches(monkeypatch, backward)
     for grads in ((False, False, True, True), (True, True, False, False), (False, False, True, False)):
         inputs = make_inputs((2, 70), (2, 90), 8, (4, 2), (32, 16), torch.bfloat16, device, grads)
         launched.clear()
