@@ -393,18 +393,22 @@ def structural_row_count(problem: Problem) -> int | None:
         host = problem.extra.get("host_cu")
         if host is None:
             return None
-        len_q, len_k = host[0][1:] - host[0][:-1], host[1][1:] - host[1][:-1]
+        starts_q, starts_k = host[0].tolist(), host[1].tolist()  # CPU copies: no device read
+        lengths = [(b - a, d - c) for a, b, c, d in zip(starts_q, starts_q[1:], starts_k, starts_k[1:])]
     else:
-        len_q = torch.tensor([problem.seqlen_q], dtype=torch.int64)
-        len_k = torch.tensor([problem.seqlen_k], dtype=torch.int64)
+        lengths = [(problem.seqlen_q, problem.seqlen_k)] * problem.batch
     left, right = problem.window
     if problem.causal:
         right = 0 if right < 0 else min(right, 0)
-    offset = len_k - len_q
-    first = (-offset - right).clamp(min=0) if right >= 0 else torch.zeros_like(len_q)
-    last = torch.minimum(len_q - 1, len_k - 1 - offset + left) if left >= 0 else len_q - 1
-    rows = ((last - first + 1).clamp(min=0) * (len_k > 0)).sum()
-    return int(rows) * problem.heads * (1 if problem.is_varlen else problem.batch)
+    rows = 0
+    for len_q, len_k in lengths:
+        if len_k <= 0:
+            continue
+        offset = len_k - len_q
+        first = max(0, -offset - right) if right >= 0 else 0
+        last = min(len_q - 1, len_k - 1 - offset + left) if left >= 0 else len_q - 1
+        rows += max(0, last - first + 1)
+    return rows * problem.heads
 
 
 def describe_problem(
