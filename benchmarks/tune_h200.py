@@ -70,7 +70,7 @@ def sdpa_times(n, h, d, causal):
 
 #: configuration keys -> the modules whose TUNE dict reads them ("fold": the score arithmetic of both)
 TUNE_KEYS = {"fwd": (tfwd,), "tma": (tfwd,), "kv_tiles": (tbwd,), "kv_tiles2": (tbwd,), "kv": (tbwd,),
-             "dq": (tbwd,), "fold": (tfwd, tbwd)}
+             "dq": (tbwd,), "fold": (tfwd, tbwd), "poly": (tfwd,), "dq_tma": (tbwd,)}
 
 
 def set_config(cfg):

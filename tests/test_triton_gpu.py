@@ -319,6 +319,32 @@ def test_backward_path_choice(monkeypatch):
         torch.use_deterministic_algorithms(previous)
 
 
+@gpu
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_atomic_dq_through_tma_reductions(chunks, monkeypatch):
+    """The atomic pass adding each dq tile with one bulk tensor-memory reduction (Hopper): rows
+    past a sequence (N not a multiple of the tile, varlen) add zeros into the next rows, GQA,
+    chunked accumulators, student or teacher gradients, against the float64 reference."""
+    from streamkl.backends.triton import backward
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-memory reductions need Hopper or newer")
+    monkeypatch.setitem(backward.TUNE, "dq_tma", True)
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", chunks)
+    used = []
+    original = backward.dq_descriptors
+    monkeypatch.setattr(backward, "dq_descriptors", lambda *a: used.append(original(*a)) or used[-1])
+    for dims in ((128, 128), (64, 64), (64, 128)):
+        for grads in ((False, False, True, True), (True, True, False, False)):
+            x = make_inputs((2, 1000), (2, 1100), 4, (2, 4), dims, torch.bfloat16, DEVICE, grads)
+            check_against_reference(x, "triton", causal=True)
+            check_against_reference(x, "triton", window=(300, 40))
+    packed = make_inputs((1300,), (1300,), 4, (4, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+    cu = torch.tensor([0, 300, 301, 1000, 1250], dtype=torch.int32, device=DEVICE)
+    check_against_reference(packed, "triton", causal=True, cu_seqlens=cu)
+    assert used and all(d is not None for d in used)
+
+
 def test_atomic_pass_in_head_chunks(monkeypatch):
     """The atomic pass's float32 dq accumulator holding one chunk of heads at a time (the GPU does
     this at large sizes to keep the backward's extra memory under its gradients' size): GQA with
@@ -344,16 +370,18 @@ def test_atomic_pass_in_head_chunks(monkeypatch):
     assert launched == ["_kl_bwd_kv_kernel"] * 4
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["plain", "fold"])
-def test_score_arithmetic_variants(fold, monkeypatch):
+@pytest.mark.parametrize("fold, poly", [(False, 0), (True, 0), (True, 1), (True, 2)],
+                         ids=["plain", "fold", "fold-poly-tiles", "fold-poly-columns"])
+def test_score_arithmetic_variants(fold, poly, monkeypatch):
     """The score-arithmetic variants of the 16-bit kernels (scales folded into the exponent
-    arguments, or not) against the float64 reference, forward and backward, including peaked
-    distributions whose probabilities span many orders of magnitude, and a negative scale (never
-    folded)."""
+    arguments, or not; side 2's exponentials on the FMA units for every other tile or every odd
+    column) against the float64 reference, forward and backward, including peaked distributions
+    whose probabilities span many orders of magnitude, and a negative scale (never folded)."""
     from streamkl.backends.triton import backward, forward
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setitem(forward.TUNE, "fold", fold)
+    monkeypatch.setitem(forward.TUNE, "poly", poly)
     monkeypatch.setitem(backward.TUNE, "fold", fold)
     student = make_inputs((1, 200), (1, 230), 2, (1, 2), (64, 32), torch.bfloat16, device, (False, False, True, True))
     check_against_reference(student, "triton", causal=True)
@@ -361,6 +389,46 @@ def test_score_arithmetic_variants(fold, monkeypatch):
     both = make_inputs((1, 200), (1, 230), 2, (2, 1), (32, 64), torch.float16, device)
     check_against_reference(both, "triton", scale1=0.5, scale2=0.3)
     check_against_reference(both, "triton", scale1=-0.2, window=(50, 50))
+    if poly:  # the polynomial's exponentials against the exp unit's, over several pairs of full tiles
+        x = make_inputs((2, 96), (2, 7 * 64 + 5), 2, (2, 2), (64, 64), torch.bfloat16, device, (False,) * 4)
+        for causal in (False, True):
+            with_poly = streamkl.kl(*x, backend="triton", reduction="none", causal=causal)
+            monkeypatch.setitem(forward.TUNE, "poly", 0)
+            without = streamkl.kl(*x, backend="triton", reduction="none", causal=causal)
+            monkeypatch.setitem(forward.TUNE, "poly", poly)
+            assert rel_l2(with_poly, without) <= 1e-5
+
+
+def _exp2_poly_kernel():
+    """A one-block kernel storing `_exp2_poly` of its input (module-level globals: the jit resolves
+    names there)."""
+    global triton_common
+    import triton
+    import triton.language as tl
+
+    from streamkl.backends.triton import common as triton_common
+
+    @triton.jit
+    def kernel(X, Y, N: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(Y + o, triton_common._exp2_poly(tl.load(X + o)))
+
+    return kernel
+
+
+def test_exp2_polynomial():
+    """`_exp2_poly` against float64 2^x: relative error <= 5e-7 down to -126, a value no larger
+    than 2^-125 below (never a wrapped exponent)."""
+    kernel = _exp2_poly_kernel()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.cat([-torch.rand(4000) * 130, torch.linspace(-1, 0, 84), torch.tensor([-126.0, -300.0, float("-inf")] * 4)])
+    x = x.to(device)
+    y = torch.empty_like(x)
+    kernel[(1,)](x, y, x.numel())
+    ref = torch.exp2(x.double())
+    normal = x >= -126
+    assert ((y.double()[normal] / ref[normal] - 1).abs().max().item()) <= 5e-7
+    assert (y[~normal] >= 0).all() and (y[~normal] <= 2.0**-125).all()
 
 
 def test_atomic_head_chunk_choice(monkeypatch):

@@ -33,6 +33,7 @@ from streamkl.backends.triton.common import (
     _partial_allowed,
     _sequence_span,
     broadcast_strides,
+    capability,
     check_tiles,
     dim_blocks,
     even_dims,
@@ -76,10 +77,11 @@ def _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i, MASKED: tl.constex
 @triton.jit
 def _tile_dscores(
     b_r1, b_r2, scale1, scale2, flags, o_i, o_j, len_q, len_k, window_left, window_right,
-    b_lse1, b_lse2, b_e, b_g, MASKED: tl.constexpr, FOLD: tl.constexpr,
+    b_lse1, b_lse2, b_e, b_g1, b_g2, MASKED: tl.constexpr, FOLD: tl.constexpr,
 ):
     """(dS1, dS2) [BQ, BK] of one tile from its raw score products (s = r * scale, log2 units);
-    element masks on partial tiles.
+    element masks on partial tiles. b_g1 / b_g2: the rows' upstream gradients times each side's
+    softmax scale, so dq = dS @ k and dk = dS^T @ q need no scaling afterwards.
 
     d and E run over keys allowed on both sides; an uncovered row's infinite part is a constant,
     and dS2 is kept to side 2's support. FOLD (full tiles): each exponent's argument is one FMA,
@@ -92,20 +94,20 @@ def _tile_dscores(
         b_s2 = tl.where(m_a2, b_s2, float("-inf"))
         b_diff = tl.where(m_a1 & m_a2, b_s1 - b_s2, 0.0)
         b_p = tl.exp2(b_s1 - b_lse1[:, None])  # [BQ, BK]
-        b_ds1 = b_g[:, None] * b_p * (b_diff * LN2_K - b_e[:, None])
-        b_ds2 = tl.where(m_a2, b_g[:, None] * (tl.exp2(b_s2 - b_lse2[:, None]) - b_p), 0.0)
+        b_ds1 = b_g1[:, None] * b_p * (b_diff * LN2_K - b_e[:, None])
+        b_ds2 = tl.where(m_a2, b_g2[:, None] * (tl.exp2(b_s2 - b_lse2[:, None]) - b_p), 0.0)
     elif FOLD:
         b_p = tl.exp2(b_r1 * scale1 - b_lse1[:, None])  # [BQ, BK]
         b_q = tl.exp2(b_r2 * scale2 - b_lse2[:, None])
         # dS1 only where side 1's gradients are asked for (dead code otherwise)
-        b_ds1 = b_g[:, None] * b_p * ((b_r1 * scale1 - b_r2 * scale2) * LN2_K - b_e[:, None])
-        b_ds2 = b_g[:, None] * (b_q - b_p)
+        b_ds1 = b_g1[:, None] * b_p * ((b_r1 * scale1 - b_r2 * scale2) * LN2_K - b_e[:, None])
+        b_ds2 = b_g2[:, None] * (b_q - b_p)
     else:
         b_s1 = b_r1 * scale1
         b_s2 = b_r2 * scale2
         b_p = tl.exp2(b_s1 - b_lse1[:, None])  # [BQ, BK]
-        b_ds1 = b_g[:, None] * b_p * ((b_s1 - b_s2) * LN2_K - b_e[:, None])
-        b_ds2 = b_g[:, None] * (tl.exp2(b_s2 - b_lse2[:, None]) - b_p)
+        b_ds1 = b_g1[:, None] * b_p * ((b_s1 - b_s2) * LN2_K - b_e[:, None])
+        b_ds2 = b_g2[:, None] * (tl.exp2(b_s2 - b_lse2[:, None]) - b_p)
     return b_ds1, b_ds2
 
 
@@ -125,7 +127,7 @@ def _load_tile(p, m_rows, m_cols, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
 def _dq_step(
     b_q1, b_q2, b_dq1, b_dq2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start,
     window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-    b_lse1, b_lse2, b_e, b_g,
+    b_lse1, b_lse2, b_e, b_g1, b_g2,
     BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
     NEED_DQ1: tl.constexpr, NEED_DQ2: tl.constexpr, FOLD: tl.constexpr,
 ):
@@ -137,7 +139,7 @@ def _dq_step(
     b_r1 = _dot(b_q1, tl.trans(b_k1), IEEE)  # [BQ, BK]
     b_r2 = _dot(b_q2, tl.trans(b_k2), IEEE)  # [BQ, BK]
     b_ds1, b_ds2 = _tile_dscores(b_r1, b_r2, scale1, scale2, flags, o_i, o_j, len_q, len_k, window_left,
-                                 window_right, b_lse1, b_lse2, b_e, b_g, MASKED, FOLD)
+                                 window_right, b_lse1, b_lse2, b_e, b_g1, b_g2, MASKED, FOLD)
     if NEED_DQ1:
         b_dq1 += _dot(b_ds1.to(b_k1.dtype), b_k1, IEEE)  # [BQ, BD1]
     if NEED_DQ2:
@@ -196,6 +198,8 @@ def _kl_bwd_dq_kernel(
     o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
     o_grad = seq64 * stride_gb + head * stride_gh + o_rows * stride_gn
     b_lse1, b_lse2, b_e, b_g = _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i, True)
+    b_g1 = b_g * (scale1 * LN2_K)  # the softmax scales, in natural units
+    b_g2 = b_g * (scale2 * LN2_K)
 
     p_k1 = K1 + seq64 * stride_k1b + (head // group1) * stride_k1h + o_d1[None, :]
     p_k2 = K2 + seq64 * stride_k2b + (head // group2) * stride_k2h + o_d2[None, :]
@@ -212,7 +216,7 @@ def _kl_bwd_dq_kernel(
         b_dq1, b_dq2 = _dq_step(
             b_q1, b_q2, b_dq1, b_dq2, p_k1, p_k2, k_tile, 0, o_i, len_q, len_k, k_start,
             window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-            b_lse1, b_lse2, b_e, b_g, BLOCK_K, False, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2, FOLD,
+            b_lse1, b_lse2, b_e, b_g1, b_g2, BLOCK_K, False, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2, FOLD,
         )
     for visit in range(n_full, n_visit):
         k_tile = tl.load(p_index + visit)
@@ -220,16 +224,14 @@ def _kl_bwd_dq_kernel(
         b_dq1, b_dq2 = _dq_step(
             b_q1, b_q2, b_dq1, b_dq2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start,
             window_left, window_right, stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-            b_lse1, b_lse2, b_e, b_g, BLOCK_K, True, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2, FOLD,
+            b_lse1, b_lse2, b_e, b_g1, b_g2, BLOCK_K, True, EVEN_D, IEEE, NEED_DQ1, NEED_DQ2, FOLD,
         )
 
     if NEED_DQ1:
         p_dq1 = DQ1 + seq64 * stride_d1b + head * stride_d1h + o_rows[:, None] * stride_d1n + o_d1[None, :]
-        b_dq1 = b_dq1 * (scale1 * LN2_K)
         tl.store(p_dq1, b_dq1.to(DQ1.dtype.element_ty), mask=m_i[:, None] & m_d1[None, :])
     if NEED_DQ2:
         p_dq2 = DQ2 + seq64 * stride_d2b + head * stride_d2h + o_rows[:, None] * stride_d2n + o_d2[None, :]
-        b_dq2 = b_dq2 * (scale2 * LN2_K)
         tl.store(p_dq2, b_dq2.to(DQ2.dtype.element_ty), mask=m_i[:, None] & m_d2[None, :])
 
 
@@ -239,11 +241,14 @@ def _kv_step(
     p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
     stride_q1n, stride_q2n, stride_dq1n, stride_dq2n, stride_sn, stride_gn,
     window_left, window_right, m_d1, m_d2, scale1, scale2,
+    DQ1_DESC, DQ2_DESC, dq_row, dq_col1, dq_col2,
     BLOCK_Q: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
     NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr, ATOMIC_DQ1: tl.constexpr, ATOMIC_DQ2: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
-    """One query tile against the program's key tile: dk accumulated, dq added atomically."""
+    """One query tile against the program's key tile: dk accumulated, dq added atomically (element
+    atomics, or with DQ_TMA one bulk tensor-memory reduction of the [BQ, D] tile: rows past the
+    sequence add zeros)."""
     o_i = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     m_i = o_i < len_q
     o_rows = (q_start + o_i).to(tl.int64)
@@ -254,7 +259,8 @@ def _kv_step(
     b_r1 = _dot(b_q1, tl.trans(b_k1), IEEE)  # [BQ, BK]
     b_r2 = _dot(b_q2, tl.trans(b_k2), IEEE)  # [BQ, BK]
     b_ds1, b_ds2 = _tile_dscores(b_r1, b_r2, scale1, scale2, flags, o_i, o_j, len_q, len_k, window_left,
-                                 window_right, b_lse1, b_lse2, b_e, b_g, MASKED, FOLD)
+                                 window_right, b_lse1, b_lse2, b_e, b_g * (scale1 * LN2_K),
+                                 b_g * (scale2 * LN2_K), MASKED, FOLD)
     if NEED_DK1 or ATOMIC_DQ1:
         b_ds1 = b_ds1.to(b_q1.dtype)
     if NEED_DK2 or ATOMIC_DQ2:
@@ -264,18 +270,22 @@ def _kv_step(
     if NEED_DK2:
         b_dk2 += _dot(tl.trans(b_ds2), b_q2, IEEE)  # [BK, BD2]
     if ATOMIC_DQ1:
-        b_dq1 = _dot(b_ds1, b_k1, IEEE) * (scale1 * LN2_K)  # [BQ, BD1]
+        b_dq1 = _dot(b_ds1, b_k1, IEEE)  # [BQ, BD1]
         p = p_dq1 + o_rows[:, None] * stride_dq1n
-        if MASKED:
+        if DQ_TMA:
+            DQ1_DESC.atomic_add([dq_row + q_tile * BLOCK_Q, dq_col1], b_dq1)
+        elif MASKED:
             tl.atomic_add(p, b_dq1, mask=m_i[:, None] & m_d1[None, :], sem="relaxed")
         elif EVEN_D:
             tl.atomic_add(p, b_dq1, sem="relaxed")
         else:
             tl.atomic_add(p, b_dq1, mask=m_d1[None, :], sem="relaxed")
     if ATOMIC_DQ2:
-        b_dq2 = _dot(b_ds2, b_k2, IEEE) * (scale2 * LN2_K)  # [BQ, BD2]
+        b_dq2 = _dot(b_ds2, b_k2, IEEE)  # [BQ, BD2]
         p = p_dq2 + o_rows[:, None] * stride_dq2n
-        if MASKED:
+        if DQ_TMA:
+            DQ2_DESC.atomic_add([dq_row + q_tile * BLOCK_Q, dq_col2], b_dq2)
+        elif MASKED:
             tl.atomic_add(p, b_dq2, mask=m_i[:, None] & m_d2[None, :], sem="relaxed")
         elif EVEN_D:
             tl.atomic_add(p, b_dq2, sem="relaxed")
@@ -289,6 +299,7 @@ def _kl_bwd_kv_kernel(
     Q1, K1, Q2, K2,
     LSE1, LSE2, EXPECT, GRAD,
     DK1, DK2, DQ1, DQ2,  # DQ*: float32 accumulators, only with ATOMIC_DQ*
+    DQ1_DESC, DQ2_DESC,  # DQ_TMA only: the accumulators as 2-D [tokens, heads * dim] descriptors
     CU_Q, CU_K,
     Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,
     stride_q1b, stride_q1n, stride_q1h,
@@ -311,7 +322,7 @@ def _kl_bwd_kv_kernel(
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
     NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr, ATOMIC_DQ1: tl.constexpr, ATOMIC_DQ2: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     # one program per (key tile, sequence, key head of the driving side); it loops over the query
     # heads of that key head's group, so the GQA sum stays inside the program
@@ -333,6 +344,7 @@ def _kl_bwd_kv_kernel(
 
     b_dk1 = tl.zeros([BLOCK_K, BLOCK_D1], tl.float32)
     b_dk2 = tl.zeros([BLOCK_K, BLOCK_D2], tl.float32)
+    dq_row = q_start if USE_VARLEN else seq * seqlen_q  # the sequence's first row in the 2-D view
     for member in range(0, group_drive):
         head = head_k * group_drive + member
         p_k1 = K1 + seq64 * stride_k1b + (head // group1) * stride_k1h + o_keys[:, None] * stride_k1n + o_d1[None, :]
@@ -357,7 +369,8 @@ def _kl_bwd_kv_kernel(
                 p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
                 stride_q1n, stride_q2n, stride_a1n, stride_a2n, stride_sn, stride_gn,
                 window_left, window_right, m_d1, m_d2, scale1, scale2,
-                BLOCK_Q, False, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2, FOLD,
+                DQ1_DESC, DQ2_DESC, dq_row, head * dim1, head * dim2,
+                BLOCK_Q, False, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2, FOLD, DQ_TMA,
             )
         for visit in range(n_full, n_visit):
             q_tile = tl.load(p_index + visit)
@@ -367,16 +380,15 @@ def _kl_bwd_kv_kernel(
                 p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
                 stride_q1n, stride_q2n, stride_a1n, stride_a2n, stride_sn, stride_gn,
                 window_left, window_right, m_d1, m_d2, scale1, scale2,
-                BLOCK_Q, True, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2, FOLD,
+                DQ1_DESC, DQ2_DESC, dq_row, head * dim1, head * dim2,
+                BLOCK_Q, True, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2, FOLD, DQ_TMA,
             )
 
     if NEED_DK1:
         p_dk1 = DK1 + seq64 * stride_d1b + head_k * stride_d1h + o_keys[:, None] * stride_d1n + o_d1[None, :]
-        b_dk1 = b_dk1 * (scale1 * LN2_K)
         tl.store(p_dk1, b_dk1.to(DK1.dtype.element_ty), mask=m_j[:, None] & m_d1[None, :])
     if NEED_DK2:
         p_dk2 = DK2 + seq64 * stride_d2b + head_k * stride_d2h + o_keys[:, None] * stride_d2n + o_d2[None, :]
-        b_dk2 = b_dk2 * (scale2 * LN2_K)
         tl.store(p_dk2, b_dk2.to(DK2.dtype.element_ty), mask=m_j[:, None] & m_d2[None, :])
 
 
@@ -433,7 +445,7 @@ def arithmetic(problem: Problem) -> dict:
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
 #: "kv_tiles" / "kv_tiles2" -> (block_q, block_k) for one side's / both sides' gradients,
-#: "kv" -> (warps, stages), "fold" -> bool.
+#: "kv" -> (warps, stages), "fold" -> bool, "dq_tma" -> bool.
 TUNE: dict = {}
 
 
@@ -453,6 +465,36 @@ def _heads(t: torch.Tensor | None, varlen: bool, lo: int, hi: int, stat: bool = 
     if stat:
         return t[lo:hi] if varlen else t[:, lo:hi]
     return t[:, lo:hi] if varlen else t[:, :, lo:hi]
+
+
+#: Bulk tensor-memory (TMA) reductions for the atomic pass's dq on Hopper or newer GPUs, head dims
+#: up to 128 that equal their block. TUNE["dq_tma"] overrides.
+DQ_TMA = False
+
+
+def dq_descriptors(problem: Problem, accum: tuple, block_q: int):
+    """2-D [tokens, heads * dim] descriptors of the float32 dq accumulators (None for a side
+    without one), or None where the bulk reductions do not apply: switched off, the interpreter
+    (which has no descriptor reductions), not Hopper or newer, head dims not equal to their blocks."""
+    if not TUNE.get("dq_tma", DQ_TMA) or interpreting() or problem.device.type != "cuda":
+        return None
+    index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+    if capability(index)[0] < 9 or not even_dims(problem) or max(problem.dim1, problem.dim2) > 128:
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - older triton
+        return None
+    descs = []
+    for a, dim in zip(accum, (problem.dim1, problem.dim2)):
+        if a is None:
+            descs.append(a)
+            continue
+        flat = a.view(-1, a.shape[-2] * dim)  # contiguous: allocated here
+        if flat.shape[0] < block_q:
+            return None
+        descs.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_q, dim]))
+    return descs
 
 
 #: Tests: force the number of head chunks of the atomic pass (None: `atomic_head_chunks` decides).
@@ -563,6 +605,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         if chunks > 1:  # every row of every chunk is copied in, varlen tail rows included (zeros)
             dq1 = torch.empty_like(q1) if need_dq1 else None
             dq2 = torch.empty_like(q2) if need_dq2 else None
+    dq_descs = dq_descriptors(problem, accum, block_q) if atomic else None
     for chunk in range(chunks):
         lo, hi = chunk * per_chunk, (chunk + 1) * per_chunk
         if chunks > 1:
@@ -585,6 +628,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
                 c_q1, c_k1, c_q2, c_k2, c_lse1, c_lse2, c_expect, c_grad,
                 c_dk1 if on1 and need_dk1 else placeholder, c_dk2 if on2 and need_dk2 else placeholder,
                 accum[0] if atomic1 else placeholder, accum[1] if atomic2 else placeholder,
+                *((d if d is not None else placeholder) for d in (dq_descs or (None, None))),
                 cu_q, cu_k, *c_tables,
                 *head_strides(c_q1, varlen), *head_strides(c_k1, varlen),
                 *head_strides(c_q2, varlen), *head_strides(c_k2, varlen),
@@ -596,7 +640,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             )
             constexprs = dict(
                 BLOCK_Q=block_q, BLOCK_K=block_k, NEED_DK1=on1 and need_dk1, NEED_DK2=on2 and need_dk2,
-                ATOMIC_DQ1=atomic1, ATOMIC_DQ2=atomic2, **flags,
+                ATOMIC_DQ1=atomic1, ATOMIC_DQ2=atomic2, DQ_TMA=dq_descs is not None, **flags,
             )
             launch(_kl_bwd_kv_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps,
                    num_stages, **constexprs)
