@@ -70,7 +70,7 @@ def sdpa_times(n, h, d, causal):
 
 #: configuration keys -> the modules whose TUNE dict reads them ("fold": the score arithmetic of both)
 TUNE_KEYS = {"fwd": (tfwd,), "tma": (tfwd,), "kv_tiles": (tbwd,), "kv_tiles2": (tbwd,), "kv": (tbwd,),
-             "dq": (tbwd,), "fold": (tfwd, tbwd), "poly": (tfwd,), "dq_tma": (tbwd,)}
+             "dq": (tbwd,), "fold": (tfwd, tbwd), "dq_tma": (tbwd,)}
 
 
 def set_config(cfg):
@@ -206,6 +206,19 @@ def main():
         xs = inputs(n, h, d, grads=(False, False, True, True))
         tb_ = bench(kl_fn(xs, True), grads=xs[2:])
         record(kind="sparse", sparsity="nomask", fwd=t, fwdbwd_student=tb_)
+    if "chunks" in sections:
+        # the atomic pass's head chunks (halving its float32 dq buffer) against one launch, by length
+        set_config({})
+        for n_c in (2048, 4096, 8192, 16384):
+            for causal in (False, True):
+                x = inputs(n_c, h, 128)
+                fwd = bench(kl_fn(x, causal=causal))
+                for chunks in (1, 2):
+                    tbwd.CHUNKS_OVERRIDE = chunks
+                    xs = inputs(n_c, h, 128, grads=(False, False, True, True))
+                    t = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
+                    record(kind="chunks", n=n_c, causal=causal, chunks=chunks, ms=t)
+                tbwd.CHUNKS_OVERRIDE = None
     if "host" in sections:
         # host time of one call while the GPU is busy (a long sleep kernel queued first), and one
         # profiled call: what the suite's synchronized timing adds on top of the kernels

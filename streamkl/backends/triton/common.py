@@ -106,25 +106,6 @@ def _partial_allowed(flags, o_i, o_j, len_q, len_k, window_left, window_right):
 
 
 @triton.jit
-def _exp2_poly(x):
-    """2^x for x <= 0 on the FMA and integer units instead of the exp unit (FlashAttention-4's
-    trick): round x to j with the 1.5 * 2^23 magic sum, a degree-5 polynomial for 2^(x - j) on
-    [-1/2, 1/2] (fitted here, relative error 2.4e-7 in float32 Horner, ex2.approx's order), and j
-    added into the exponent bits. Arguments below -126 give at most 2^-126 (exactly 0 is not
-    reached; callers use it where such terms are negligible: sums that hold a term near 1)."""
-    x = tl.maximum(x, -126.0)
-    t = x + 12582912.0  # 1.5 * 2^23: the sum's low mantissa bits hold round(x)
-    f = x - (t - 12582912.0)
-    p = 0.001327647129073739 * f + 0.009675540961325169
-    p = p * f + 0.05550713092088699
-    p = p * f + 0.24022120237350464
-    p = p * f + 0.6931469440460205
-    p = p * f + 1.0000001192092896
-    bits = p.to(tl.uint32, bitcast=True) + (t.to(tl.uint32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _dot(b_a, b_b, IEEE: tl.constexpr):
     """a @ b with float32 accumulation; full float32 (no TF32) for float32 inputs."""
     if _INTERPRET:

@@ -14,7 +14,6 @@ from streamkl.backends.triton.common import (
     LN2,
     LN2_K,
     _dot,
-    _exp2_poly,
     _partial_allowed,
     _sequence_span,
     broadcast_strides,
@@ -72,10 +71,8 @@ def _fwd_scores(
 
 
 @triton.jit
-def _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc, POLY: tl.constexpr):
-    """The online statistics after one full tile, scales folded (`_fwd_step`'s FOLD). POLY moves
-    side 2's exponentials (needed only as row sums) off the exp unit: 1 all of this tile's (the
-    kernel alternates tiles), 2 the odd columns of every tile; 0 none."""
+def _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc):
+    """The online statistics after one full tile, scales folded (`_fwd_step`'s FOLD)."""
     b_m1_new = tl.maximum(b_m1, tl.max(b_r1, axis=1) * scale1)
     b_m2_new = tl.maximum(b_m2, tl.max(b_r2, axis=1) * scale2)
     b_t1 = b_r1 * scale1 - b_m1_new[:, None]  # one FMA each
@@ -85,14 +82,7 @@ def _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc, POLY:
     b_sum1 = tl.sum(b_e1, axis=1)
     b_l1 = b_l1 * b_alpha1 + b_sum1
     b_acc = b_acc * b_alpha1 + (tl.sum(b_e1 * (b_t1 - b_t2), axis=1) + (b_m1_new - b_m2_new) * b_sum1)
-    if POLY == 1:
-        b_sum2 = tl.sum(_exp2_poly(b_t2), axis=1)
-    elif POLY == 2:
-        b_even, b_odd = tl.split(tl.reshape(b_t2, [b_t2.shape[0], b_t2.shape[1] // 2, 2]))
-        b_sum2 = tl.sum(tl.exp2(b_even), axis=1) + tl.sum(_exp2_poly(b_odd), axis=1)
-    else:
-        b_sum2 = tl.sum(tl.exp2(b_t2), axis=1)
-    b_l2 = b_l2 * tl.exp2(b_m2 - b_m2_new) + b_sum2
+    b_l2 = b_l2 * tl.exp2(b_m2 - b_m2_new) + tl.sum(tl.exp2(b_t2), axis=1)
     return b_m1_new, b_m2_new, b_l1, b_l2, b_acc
 
 
@@ -103,7 +93,7 @@ def _fwd_step(
     b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
     K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
     BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
-    USE_TMA: tl.constexpr, FOLD: tl.constexpr, POLY: tl.constexpr = 0,
+    USE_TMA: tl.constexpr, FOLD: tl.constexpr,
 ):
     """One key tile of the online statistics. MASKED=False: a full tile (every key in range and
     allowed on both sides, every row in range): no masks, no -inf guards.
@@ -133,8 +123,7 @@ def _fwd_step(
         b_shift1 = tl.where(b_m1_new == float("-inf"), 0.0, b_m1_new)
         b_shift2 = tl.where(b_m2_new == float("-inf"), 0.0, b_m2_new)
     elif FOLD:
-        b_m1_new, b_m2_new, b_l1, b_l2, b_acc = _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc,
-                                                                POLY)
+        b_m1_new, b_m2_new, b_l1, b_l2, b_acc = _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc)
     else:
         b_s1 = b_r1 * scale1
         b_s2 = b_r2 * scale2
@@ -178,7 +167,7 @@ def _kl_fwd_kernel(
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, DENSE_KEYS: tl.constexpr, EVEN_D: tl.constexpr,
     IEEE: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
-    FOLD: tl.constexpr, POLY: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     # one flat grid axis, query tiles fastest (no 65535 limit on sequences x heads); last query
     # tiles first: under causality they visit the most key tiles (less tail at the end)
@@ -231,26 +220,7 @@ def _kl_fwd_kernel(
     k_first = 0
     if DENSE_KEYS:
         k_first = tl.load(p_index)
-    full_hi = tl.minimum(n_full, hi)
-    if POLY == 1:  # pairs of tiles, side 2's exponentials of the second on the FMA units
-        for pair in range(0, (full_hi - lo) // 2):
-            visit = lo + 2 * pair
-            for half in tl.static_range(2):
-                if DENSE_KEYS:
-                    k_tile = k_first + visit + half
-                else:
-                    k_tile = tl.load(p_index + visit + half)
-                b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered = _fwd_step(
-                    b_q1, b_q2, p_k1, p_k2, k_tile, 0, o_i, len_q, len_k, k_start, window_left, window_right,
-                    stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-                    b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
-                    BLOCK_K=BLOCK_K, MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, USE_TMA=USE_TMA,
-                    FOLD=FOLD, POLY=half,
-                )
-        lo_rest = full_hi - (full_hi - lo) % 2
-    else:
-        lo_rest = lo
-    for visit in range(lo_rest, full_hi):
+    for visit in range(lo, tl.minimum(n_full, hi)):
         if DENSE_KEYS:
             k_tile = k_first + visit
         else:
@@ -260,7 +230,7 @@ def _kl_fwd_kernel(
             stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
             b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
             BLOCK_K=BLOCK_K, MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, USE_TMA=USE_TMA,
-            FOLD=FOLD, POLY=2 if POLY == 2 else 0,
+            FOLD=FOLD,
         )
     # then the partial tiles, masked as their flags say
     for visit in range(tl.maximum(n_full, lo), hi):
@@ -325,14 +295,11 @@ def arithmetic(problem: Problem) -> dict:
     score, exact to its last bits when the two distributions nearly agree)."""
     sixteen = problem.dtype.itemsize == 2
     fold = sixteen and problem.scale1 > 0 and problem.scale2 > 0 and TUNE.get("fold", True)
-    poly = TUNE.get("poly", POLY_OVERRIDE if POLY_OVERRIDE is not None else 0) if fold else 0
-    return dict(FOLD=bool(fold), POLY=int(poly))
+    return dict(FOLD=bool(fold))
 
 
-#: Tests: the POLY mode of 16-bit forwards (see `_fold_stats`) when TUNE does not set one.
-POLY_OVERRIDE: int | None = None
 #: GPU tuning overrides (benchmarks/tune_h200.py): "fwd" -> (rows, warps, stages), "tma" -> bool,
-#: "fold" -> bool, "poly" -> 0 / 1 / 2. Tried and measured slower on the H200 (tune_h200_round4.jsonl): the full-tile
+#: "fold" -> bool. Tried and measured slower on the H200 (tune_h200_round4.jsonl): the full-tile
 #: loop software-pipelined by hand (the next tile's products issued before this tile's
 #: exponentials): 1.69x SDPA with 128x128 tiles (registers spill), 1.11x with 128x64.
 TUNE: dict = {}
