@@ -105,6 +105,7 @@ def main():
     parser.add_argument("--section", default="fwd,bwd,sparse")
     parser.add_argument("--fwd-configs", default=None, help="JSON list of configs")
     parser.add_argument("--bwd-configs", default=None, help="JSON list of configs")
+    parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,18 +208,24 @@ def main():
         tb_ = bench(kl_fn(xs, True), grads=xs[2:])
         record(kind="sparse", sparsity="nomask", fwd=t, fwdbwd_student=tb_)
     if "chunks" in sections:
-        # the atomic pass's head chunks (halving its float32 dq buffer) against one launch, by length
-        set_config({})
-        for n_c in (2048, 4096, 8192, 16384):
+        # student backward, D=128, by length: each key-major configuration with the atomic pass in
+        # one launch or two head chunks (the chunks halve its float32 dq buffer), and the
+        # deterministic two-kernel path (no float32 buffer)
+        for n_c in [int(v) for v in args.chunk_ns.split(",")]:
             for causal in (False, True):
+                set_config({})
                 x = inputs(n_c, h, 128)
                 fwd = bench(kl_fn(x, causal=causal))
-                for chunks in (1, 2):
-                    tbwd.CHUNKS_OVERRIDE = chunks
-                    xs = inputs(n_c, h, 128, grads=(False, False, True, True))
-                    t = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
-                    record(kind="chunks", n=n_c, causal=causal, chunks=chunks, ms=t)
-                tbwd.CHUNKS_OVERRIDE = None
+                xs = inputs(n_c, h, 128, grads=(False, False, True, True))
+                t = bench(kl_fn(xs, True, causal=causal, deterministic=True), grads=xs[2:]) - fwd
+                record(kind="chunks", n=n_c, causal=causal, deterministic=True, ms=t)
+                for cfg in bwd_configs:
+                    set_config(cfg)
+                    for chunks in (1, 2):
+                        tbwd.CHUNKS_OVERRIDE = chunks
+                        t = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
+                        record(kind="chunks", cfg=cfg, n=n_c, causal=causal, chunks=chunks, ms=t)
+                    tbwd.CHUNKS_OVERRIDE = None
     if "host" in sections:
         # host time of one call while the GPU is busy (a long sleep kernel queued first), and one
         # profiled call: what the suite's synchronized timing adds on top of the kernels
