@@ -389,9 +389,37 @@ def test_score_arithmetic_variants(fold, monkeypatch):
     check_against_reference(both, "triton", scale1=-0.2, window=(50, 50))
 
 
+def test_key_major_configuration_choice(monkeypatch):
+    """One side's gradients at D=128 on the GPU (the choice faked on any machine): 64-row query
+    tiles, 4 warps, 1 stage (two programs a multiprocessor) only without causality, window or
+    block masks; 128-row tiles of 8 warps otherwise; both sides' gradients keep 64-key tiles."""
+    from types import SimpleNamespace
+
+    from streamkl.backends.triton import backward
+
+    from streamkl.backends.triton import common
+
+    monkeypatch.setattr(backward, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    schedule = SimpleNamespace(block_q=128, block_k=128)
+
+    def config(dim=128, causal=False, window=(-1, -1), mask=None, two_sides=False):
+        problem = SimpleNamespace(dim1=dim, dim2=dim, dtype=torch.bfloat16, causal=causal, window=window,
+                                  has_structural_mask=causal or window != (-1, -1), mask1=mask, mask2=mask)
+        tiles = backward.bwd_tiles(problem, schedule, two_sides)
+        return tiles, backward.kv_config(problem, *tiles)
+
+    assert config() == ((64, 128), (4, 1))
+    assert config(causal=True)[0] == (128, 128) and config(causal=True)[1][0] == 8
+    assert config(window=(256, 0))[0] == (128, 128)
+    assert config(mask=SimpleNamespace(block_q=128, block_k=128))[0] == (128, 128)
+    assert config(dim=64) == ((64, 128), (4, 2))
+    assert config(two_sides=True)[0] == (128, 64)
+
+
 def test_atomic_head_chunk_choice(monkeypatch):
     """When the atomic pass splits its heads (any machine: the GPU's multiprocessor count is
-    faked): two chunks once each still fills the GPU four times over, never a chunk that splits a
+    faked): two chunks once each still fills the GPU three times over, never a chunk that splits a
     GQA group of either side, no split for float32 or a small grid."""
     from types import SimpleNamespace
 
@@ -407,7 +435,8 @@ def test_atomic_head_chunk_choice(monkeypatch):
         return backward.atomic_head_chunks(problem, k_programs, group_drive)
 
     assert chunks(16, (16, 16), 128) == 2  # N=16K, 128-key tiles: 1024 programs a chunk
-    assert chunks(16, (16, 16), 64) == 1  # N=8K: 512 programs a chunk, under 4 x 132
+    assert chunks(16, (16, 16), 64) == 2  # N=8K: 512 programs a chunk, over 3 x 132
+    assert chunks(16, (16, 16), 32) == 1  # N=4K: 256 programs a chunk, under 3 x 132
     assert chunks(16, (16, 16), 128, itemsize=4) == 1
     assert chunks(16, (2, 4), 512) == 2  # groups of 8 and 4: chunks of 8 heads
     assert chunks(8, (1, 8), 1024) == 1  # one teacher key head for all 8: no split possible

@@ -405,6 +405,15 @@ def bwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     return min(rows, block_q), warps, stages
 
 
+def _two_programs_per_sm(problem: Problem, block_d: int) -> bool:
+    """One side's gradients at head dims 65-128 without causality, window or block masks: 64-row
+    query tiles, 4 warps and one pipeline stage, so two programs share a multiprocessor (one's
+    exponentials overlap the other's products). Measured on the H200 (bf16, D=128, student, N=16K,
+    tune_h200_round7.jsonl): 0.86x SDPA against 0.97x for 128-row tiles of 8 warps; with
+    causality the 128-row tiles stay faster (0.88x against 0.90x), hence dense problems only."""
+    return 64 < block_d <= 128 and not problem.has_structural_mask and problem.mask1 is None and problem.mask2 is None
+
+
 def bwd_tiles(problem: Problem, schedule: TileSchedule, two_sides: bool) -> tuple[int, int]:
     """(block_q, block_k) of the backward's schedule, within the mask blocks. The key-major kernel
     keeps a key tile and streams query tiles: with one side's gradients it wants 128 keys; with
@@ -417,7 +426,8 @@ def bwd_tiles(problem: Problem, schedule: TileSchedule, two_sides: bool) -> tupl
         if two_sides:
             block_q, block_k = TUNE.get("kv_tiles2", (128, 64))
         else:
-            block_q, block_k = TUNE.get("kv_tiles", (64, 128) if block_d <= 64 else (128, 128))
+            small = block_d <= 64 or _two_programs_per_sm(problem, block_d)
+            block_q, block_k = TUNE.get("kv_tiles", (64, 128) if small else (128, 128))
     for mask in (problem.mask1, problem.mask2):
         if mask is not None:
             block_q, block_k = min(block_q, mask.block_q), min(block_k, mask.block_k)
@@ -433,6 +443,8 @@ def kv_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
     if problem.dtype.itemsize != 2 or block_d > 128:  # the first session's configuration (not re-tuned)
         return 4 if block_d <= 64 else 8, pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2)
+    if block_q == 64 and _two_programs_per_sm(problem, block_d) and "kv" not in TUNE:
+        return 4, 1
     stages = pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2, budget=200 * 1024)
     return TUNE.get("kv", (8 if block_q * block_k * block_d > 64 * 128 * 64 else 4, stages))
 
@@ -508,8 +520,10 @@ def atomic_head_chunks(problem: Problem, k_programs: int, group_drive: int) -> i
     """Head chunks of the atomic pass: its float32 dq accumulator holds one chunk at a time, so the
     backward's extra memory stays under the size of the gradients it returns (a whole-tensor
     accumulator is 2x the 16-bit dq: with dk, as large as both gradients). Two chunks halve it, and
-    are used only where each chunk's launch still fills the GPU several times over. Chunks hold whole
-    GQA groups of both sides."""
+    are used only where each chunk's launch still fills the GPU three times over. Chunks hold whole
+    GQA groups of both sides. Measured on the H200 (bf16, D=128, H=16, tune_h200_round7.jsonl):
+    two chunks cost 0-1 % from N=8K up without causality, 2 % causal at 16K, 12 % causal at 8K;
+    at 4K (256 programs a chunk, kept whole) they would cost 18 % / 78 %."""
     unit = math.lcm(*group_sizes(problem))
     if CHUNKS_OVERRIDE is not None:
         chunks = CHUNKS_OVERRIDE
@@ -519,7 +533,7 @@ def atomic_head_chunks(problem: Problem, k_programs: int, group_drive: int) -> i
         chunks = 2
         programs = k_programs * problem.batch * (problem.heads // chunks) // group_drive
         index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-        if programs < 4 * _multiprocessors(index):
+        if programs < 3 * _multiprocessors(index):
             return 1
     heads_units = problem.heads // unit
     while chunks > 1 and heads_units % chunks:
