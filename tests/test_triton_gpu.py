@@ -391,8 +391,9 @@ def test_score_arithmetic_variants(fold, monkeypatch):
 
 def test_key_major_configuration_choice(monkeypatch):
     """One side's gradients at D=128 on the GPU (the choice faked on any machine): 64-row query
-    tiles, 4 warps, 1 stage (two programs a multiprocessor) only without causality, window or
-    block masks; 128-row tiles of 8 warps otherwise; both sides' gradients keep 64-key tiles."""
+    tiles, 4 warps, 1 stage (two programs a multiprocessor) only without causality or window
+    (block masks too, within their blocks); 128-row tiles of 8 warps otherwise; both sides'
+    gradients keep 64-key tiles."""
     from types import SimpleNamespace
 
     from streamkl.backends.triton import backward
@@ -412,7 +413,8 @@ def test_key_major_configuration_choice(monkeypatch):
     assert config() == ((64, 128), (4, 1))
     assert config(causal=True)[0] == (128, 128) and config(causal=True)[1][0] == 8
     assert config(window=(256, 0))[0] == (128, 128)
-    assert config(mask=SimpleNamespace(block_q=128, block_k=128))[0] == (128, 128)
+    assert config(mask=SimpleNamespace(block_q=128, block_k=128)) == ((64, 128), (4, 1))
+    assert config(mask=SimpleNamespace(block_q=32, block_k=128))[0] == (32, 128)
     assert config(dim=64) == ((64, 128), (4, 2))
     assert config(two_sides=True)[0] == (128, 64)
 
