@@ -193,6 +193,16 @@ def host_values(cu: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def known_host_values(cu: torch.Tensor) -> torch.Tensor | None:
+    """The cached host copy of a table seen (and checked) before, or None: no device read. Used where
+    values may not be read (CUDA-graph capture), so a captured step and its eager twin take the same
+    arithmetic (the mean's structural row count); never while compiling (fake tensors)."""
+    if torch.compiler.is_compiling():
+        return None
+    hit = _HOST_VALUES.get((id(cu), cu._version, cu.data_ptr(), cu.numel()))
+    return None if hit is None else hit[0]
+
+
 def _check_cu_seqlens_host(
     name: str, values: torch.Tensor, total: int, what: str = "packed length", note: str = ""
 ) -> int:
@@ -334,7 +344,11 @@ def build_problem(
         given_q = None if max_seqlen is None else _check_max_seqlen("max_seqlen", max_seqlen)
         given_k = None if max_seqlen_k is None else _check_max_seqlen("max_seqlen_k", max_seqlen_k)
         longest_q = longest_k = tail_start = None
-        if check_values:
+        values_q = values_k = None
+        if not check_values:  # no device read; a table checked before is still known on the host
+            values_q = known_host_values(cu_q)
+            values_k = values_q if cu_k is cu_q else known_host_values(cu_k)
+        else:
             values_q = host_values(cu_q)
             values_k = values_q if cu_k is cu_q else host_values(cu_k)
             tail_start = int(values_q[-1])  # rows from here on belong to no sequence
@@ -366,7 +380,7 @@ def build_problem(
                 _fail(name, "None for dense (4-D) inputs; pass cu_seqlens for packed sequences", type(value).__name__)
         batch, seqlen_q, seqlen_k = q1.shape[0], q1.shape[1], k1.shape[1]
         total_q = total_k = 0
-        cu_q = cu_k = tail_start = None
+        cu_q = cu_k = tail_start = values_q = values_k = None
 
     side1 = _side_mask("mask1", mask1, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
     side2 = _side_mask("mask2", mask2, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
@@ -375,14 +389,16 @@ def build_problem(
     )
     if tail_start is not None:  # known on the host from the value checks: see backends/base.write_tail_rows
         problem.extra["tail_start_q"] = tail_start
-        problem.extra["host_cu"] = (values_q, values_k)  # CPU copies, for structural_row_count
+    if values_q is not None and values_k is not None:  # CPU copies, for structural_row_count
+        problem.extra["host_cu"] = (values_q, values_k)
     return problem
 
 
 def structural_row_count(problem: Problem) -> int | None:
     """How many (query row, head) pairs have a non-empty side-1 support, from the structure alone
     (sequence lengths, causality, window), or None where that needs the data: a side-1 block mask,
-    or varlen lengths not known on the host (no value check: torch.compile, CUDA-graph capture).
+    or varlen lengths not known on the host (no value check and a table not seen before: torch.compile,
+    a CUDA-graph capture of a table never passed eagerly).
 
     Row i of a sequence (lengths nq, nk, offset nk - nq) sees keys in [i + off - left, i + off +
     right] within [0, nk): non-empty iff nk > 0, i >= -off - right (right bounded) and

@@ -116,3 +116,28 @@ def test_cu_seqlens_checked_again_after_an_in_place_change():
     cu[1] = 50  # past the packed length of 40... and decreasing
     with pytest.raises(ValueError, match="cu_seqlens"):
         streamkl.kl(*inputs, cu_seqlens=cu, backend="torch")
+
+
+def test_mean_without_value_reads_uses_a_table_seen_before(monkeypatch):
+    """Where cu_seqlens may not be read (CUDA-graph capture; faked here), a table checked by an
+    earlier eager call keeps its host copy: the mean divides by the same structural row count, so a
+    captured step equals its eager twin bit for bit. A table never seen falls back to counting the
+    non-empty rows on the device (same value)."""
+    from streamkl import api
+
+    inputs = make_inputs((70,), (70,), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
+    counted = []
+    original = torch.count_nonzero
+    monkeypatch.setattr(torch, "count_nonzero", lambda *a, **k: counted.append(1) or original(*a, **k))
+    cu = torch.tensor([0, 0, 30, 64], dtype=torch.int32, device=DEVICE)
+    kwargs = dict(cu_seqlens=cu, max_seqlen=34, causal=True, backend="torch")
+    monkeypatch.setattr(api, "_may_sync", lambda: False)
+    unseen = streamkl.kl(*inputs, **kwargs)
+    assert counted  # no host copy of this table yet: rows counted on the device
+    monkeypatch.setattr(api, "_may_sync", lambda: True)
+    eager = streamkl.kl(*inputs, **kwargs)  # reads and checks the table once
+    torch.testing.assert_close(unseen, eager, rtol=1e-6, atol=0)
+    counted.clear()
+    monkeypatch.setattr(api, "_may_sync", lambda: False)
+    assert torch.equal(streamkl.kl(*inputs, **kwargs), eager)
+    assert not counted
