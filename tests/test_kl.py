@@ -241,6 +241,25 @@ def test_nan_inputs_propagate(backend):
     assert torch.isfinite(out[1]).all()
 
 
+def test_rows_of_all_minus_inf_scores_read_nan(backend):
+    """A row whose allowed scores are all -inf by value (an infinite input: softmax undefined) reads
+    NaN, on either side, as in PyTorch and the float64 reference; not KL 0 (an empty row) nor +inf
+    (an uncovered one), which stay decided by the structure. Partial tiles only (causal, short)
+    and with full tiles (non-causal, longer: the interpreter's tiles are 64 rows)."""
+    for n, causal in ((40, True), (300, False)):
+        q1, k1, q2, k2 = (torch.randn(1, n, 2, 16, device=DEVICE) for _ in range(4))
+        k1[..., 0] = k1[..., 0].abs() + 0.1  # every key's first coordinate positive
+        k2[..., 0] = k2[..., 0].abs() + 0.1
+        q1[0, 5, 1, 0] = float("-inf")  # row 5, head 1: every side-1 score -inf
+        q2[0, 7, 0, 0] = float("-inf")  # row 7, head 0: every side-2 score -inf
+        out = streamkl.kl(q1, k1, q2, k2, reduction="none", causal=causal, backend=backend)
+        ref, _, _ = reference_kl(q1.double(), k1.double(), q2.double(), k2.double(), causal=causal)
+        bad = torch.zeros_like(out, dtype=torch.bool)
+        bad[0, 5, 1] = bad[0, 7, 0] = True
+        assert torch.isnan(ref[bad]).all() and torch.isnan(out[bad]).all(), (n, out[bad])
+        assert torch.isfinite(out[~bad]).all()
+
+
 def test_backend_from_environment(monkeypatch):
     case = CASES[1]
     inputs = case.inputs(torch.float32, (False,) * 4)

@@ -226,6 +226,15 @@ def test_split_k_merge_on_small_shapes(splits, monkeypatch):
     cu = torch.tensor([0, 0, 37, 42, 106], dtype=torch.int32, device=device)
     packed = make_inputs((110,), (110,), 4, (2, 4), (32, 32), torch.bfloat16, device)
     check_against_reference(packed, "triton", cu_seqlens=cu, causal=True)
+    # rows whose allowed scores are all -inf by value read NaN after the merge, as unsplit
+    q1, k1, q2, k2 = (t.detach().clone() for t in inputs)
+    k1[..., 0] = k1[..., 0].abs() + 0.1
+    k2[..., 0] = k2[..., 0].abs() + 0.1
+    q1[1, 40, 2, 0] = q2[0, 9, 3, 0] = float("-inf")
+    out = streamkl.kl(q1, k1, q2, k2, reduction="none", causal=True, backend="triton")
+    assert torch.isnan(out[1, 40, 2]) and torch.isnan(out[0, 9, 3])
+    out[1, 40, 2] = out[0, 9, 3] = 0.0
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])

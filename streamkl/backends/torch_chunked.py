@@ -219,6 +219,7 @@ class TorchChunkedBackend(Backend):
             l2 = torch.zeros(shape, device=device)
             acc = torch.zeros(shape, device=device)
             uncovered = torch.zeros(shape, dtype=torch.bool, device=device)
+            seen1 = torch.zeros(shape, dtype=torch.bool, device=device)  # any side-1 key allowed
             for chunk in chunks:
                 s1 = sides.scores(0, sides.keys(0, chunk.cols))
                 s2 = sides.scores(1, sides.keys(1, chunk.cols))
@@ -227,8 +228,10 @@ class TorchChunkedBackend(Backend):
                     s1 = s1.masked_fill(~allowed1, NEG_INF)
                     s2 = s2.masked_fill(~allowed2, NEG_INF)
                     uncovered |= (allowed1 & ~allowed2).any(-1)
+                    seen1 |= allowed1.any(-1)
                     diff = torch.where(allowed1 & allowed2, s1 - s2, 0.0)
                 else:
+                    seen1.fill_(True)
                     diff = s1 - s2
                 m1_new = torch.maximum(m1, s1.amax(-1))
                 m2_new = torch.maximum(m2, s2.amax(-1))
@@ -241,7 +244,7 @@ class TorchChunkedBackend(Backend):
                 acc = acc * alpha1 + (e1 * diff).sum(-1)
                 l2 = l2 * torch.exp(m2 - m2_safe) + torch.exp(s2 - m2_safe[..., None]).sum(-1)
                 m1, m2 = m1_new, m2_new
-            kl, row_lse1, row_lse2, row_e = finalize(m1, l1, m2, l2, acc, uncovered)
+            kl, row_lse1, row_lse2, row_e = finalize(m1, l1, m2, l2, acc, uncovered, ~seen1)
             _, q_start, len_q, _, _ = span
             row_slice = _as_slice(rows)
             row_view(problem, kl_rows, seq, q_start, len_q)[row_slice, heads] = kl.transpose(0, 1)
@@ -353,15 +356,18 @@ def _kv_heads(problem: Problem, heads: slice, num_kv_heads: int) -> slice:
     return slice(kv_head, kv_head + 1)
 
 
-def finalize(m1, l1, m2, l2, acc, uncovered):
-    """From the five running statistics to (KL, lse1, lse2, E), with the SPEC's edge rules."""
-    empty1 = l1 == 0
+def finalize(m1, l1, m2, l2, acc, uncovered, empty1):
+    """From the five running statistics to (KL, lse1, lse2, E), with the SPEC's edge rules.
+
+    `uncovered` and `empty1` come from the structure (masks, causality, window, lengths): a row
+    whose allowed scores are all -inf by value on either side (an infinite input) has l == 0
+    without being empty, and reads NaN (softmax of all -inf), its E too."""
     lse1 = m1 + torch.log(l1)  # -inf on empty rows
     lse2 = m2 + torch.log(l2)
     expect = torch.where(empty1, 0.0, acc / torch.where(empty1, 1.0, l1))
     # KL = E - lse1 + lse2, with the large terms cancelled first: m2 - m1 and log(l2 / l1)
     kl = expect - (m1 - m2) - torch.log(l1) + torch.log(l2)
-    uncovered = uncovered | (~empty1 & (l2 == 0))
+    kl = torch.where((l1 == 0) | (l2 == 0), float("nan"), kl)
     kl = torch.where(uncovered, float("inf"), kl)
     kl = torch.where(empty1, 0.0, kl)
     return kl, lse1, lse2, expect

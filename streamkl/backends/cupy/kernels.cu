@@ -104,6 +104,7 @@ struct KLParams {
 #define SK_BWD_OTHER (32 / SK_BWD_PARTS)
 
 SK_DEVICE float sk_inf() { return __uint_as_float(0x7f800000u); }
+SK_DEVICE float sk_nan() { return __uint_as_float(0x7fc00000u); }
 
 struct SeqSpan {
     int q_start, len_q, k_start, len_k;
@@ -245,7 +246,8 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_forward(const KLPara
 
     const float neg_inf = -sk_inf();
     float m1 = neg_inf, l1 = 0.0f, m2 = neg_inf, l2 = 0.0f, acc = 0.0f;
-    bool uncovered = false;
+    bool uncovered = false;  // a key allowed on side 1 only (structure)
+    bool seen1 = false;      // any key allowed on side 1 (structure)
     const int i = row0 + row;  // sequence-local query row
     for (int visit = 0; visit < count; ++visit) {
         const int k_tile = kv_index[visit];
@@ -278,7 +280,10 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_forward(const KLPara
                 if (!allowed2) s2[c] = neg_inf;
                 if (!(allowed1 && allowed2)) diff[c] = 0.0f;
                 uncovered = uncovered || (allowed1 && !allowed2);
+                seen1 = seen1 || allowed1;
             }
+        } else {
+            seen1 = true;  // a full tile allows every key to every row on both sides
         }
         float max1 = neg_inf, max2 = neg_inf;
 #pragma unroll
@@ -316,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_forward(const KLPara
     merge[2 * plane + slot] = m2;
     merge[3 * plane + slot] = l2;
     merge[4 * plane + slot] = acc;
-    merge[5 * plane + slot] = uncovered ? 1.0f : 0.0f;
+    merge[5 * plane + slot] = (uncovered ? 1.0f : 0.0f) + (seen1 ? 2.0f : 0.0f);
     __syncthreads();
     if (part != 0 || i >= span.len_q) return;
     float max1 = neg_inf, max2 = neg_inf;
@@ -327,24 +332,29 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_forward(const KLPara
     const float shift1 = max1 == neg_inf ? 0.0f : max1;
     const float shift2 = max2 == neg_inf ? 0.0f : max2;
     float sum1 = 0.0f, sum2 = 0.0f, sum_diff = 0.0f;
-    bool any_uncovered = false;
+    bool any_uncovered = false, any_seen1 = false;
     for (int q = 0; q < SK_FWD_PARTS; ++q) {
         const int at = q * SK_FWD_ROWS + row;
         const float w1 = expf(merge[0 * plane + at] - shift1);
         sum1 += merge[1 * plane + at] * w1;
         sum_diff += merge[4 * plane + at] * w1;
         sum2 += merge[3 * plane + at] * expf(merge[2 * plane + at] - shift2);
-        any_uncovered = any_uncovered || merge[5 * plane + at] != 0.0f;
+        const int flags = static_cast<int>(merge[5 * plane + at]);
+        any_uncovered = any_uncovered || (flags & 1) != 0;
+        any_seen1 = any_seen1 || (flags & 2) != 0;
     }
     // finalize (SPEC 4): lse = m + log l, E = a / l1, KL = E - lse1 + lse2 with the large terms
-    // cancelled first; empty rows KL 0, uncovered rows +inf (E stays finite for the backward)
-    const bool empty1 = sum1 == 0.0f;
+    // cancelled first; empty rows KL 0, uncovered rows +inf (E stays finite for the backward), both
+    // by structure; a sum of 0 on a row that is neither: its allowed scores are all -inf by value (an
+    // infinite input), and it reads NaN (E too), as softmax does
+    const bool empty1 = !any_seen1;
     const float log_l1 = logf(sum1), log_l2 = logf(sum2);
     const float lse1 = max1 + log_l1;
     const float lse2 = max2 + log_l2;
     const float expect = empty1 ? 0.0f : sum_diff / sum1;
     float kl = expect - (max1 - max2) - log_l1 + log_l2;
-    if (any_uncovered || (!empty1 && sum2 == 0.0f)) kl = sk_inf();
+    if (sum1 == 0.0f || sum2 == 0.0f) kl = sk_nan();
+    if (any_uncovered) kl = sk_inf();
     if (empty1) kl = 0.0f;
     const long long token = span.q_start + i;
     reinterpret_cast<float*>(p.kl_rows)[seq * p.row_b + token * p.row_n + head * p.row_h] = kl;

@@ -90,7 +90,7 @@ def _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc):
 def _fwd_step(
     b_q1, b_q2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start, window_left, window_right,
     stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-    b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered,
+    b_m1, b_m2, b_l1, b_l2, b_acc, b_flags,
     K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
     BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
     USE_TMA: tl.constexpr, FOLD: tl.constexpr,
@@ -116,7 +116,8 @@ def _fwd_step(
         b_s1 = tl.where(m_a1, b_s1, float("-inf"))
         b_s2 = tl.where(m_a2, b_s2, float("-inf"))
         b_diff = tl.where(m_a1 & m_a2, b_s1 - b_s2, 0.0)
-        b_uncovered = tl.maximum(b_uncovered, tl.max((m_a1 & ~m_a2).to(tl.int32), axis=1))
+        # flags: bit 0 a key allowed on side 1 only (uncovered), bit 1 any key allowed on side 1
+        b_flags = b_flags | tl.max((m_a1 & ~m_a2).to(tl.int32), axis=1) | (tl.max(m_a1.to(tl.int32), axis=1) * 2)
         b_m1_new = tl.maximum(b_m1, tl.max(b_s1, axis=1))
         b_m2_new = tl.maximum(b_m2, tl.max(b_s2, axis=1))
         # rows without any key yet keep max -inf: shift by 0 there so no inf - inf appears
@@ -138,7 +139,7 @@ def _fwd_step(
         b_l1 = b_l1 * b_alpha1 + tl.sum(b_e1, axis=1)
         b_acc = b_acc * b_alpha1 + tl.sum(b_e1 * b_diff, axis=1)
         b_l2 = b_l2 * tl.exp2(b_m2 - b_shift2) + tl.sum(tl.exp2(b_s2 - b_shift2[:, None]), axis=1)
-    return b_m1_new, b_m2_new, b_l1, b_l2, b_acc, b_uncovered
+    return b_m1_new, b_m2_new, b_l1, b_l2, b_acc, b_flags
 
 
 @triton.jit
@@ -204,7 +205,7 @@ def _kl_fwd_kernel(
     b_l1 = tl.zeros([BLOCK_Q], tl.float32)
     b_l2 = tl.zeros([BLOCK_Q], tl.float32)
     b_acc = tl.zeros([BLOCK_Q], tl.float32)
-    b_uncovered = tl.zeros([BLOCK_Q], tl.int32)
+    b_flags = tl.zeros([BLOCK_Q], tl.int32)  # bit 0: uncovered, bit 1: a side-1 key allowed (structure)
     desc_row = k_start if USE_VARLEN else seq * seqlen_k  # first key row of this sequence
     desc_col1 = (head // group1) * dim1
     desc_col2 = (head // group2) * dim2
@@ -225,21 +226,23 @@ def _kl_fwd_kernel(
             k_tile = k_first + visit
         else:
             k_tile = tl.load(p_index + visit)
-        b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered = _fwd_step(
+        b_m1, b_m2, b_l1, b_l2, b_acc, b_flags = _fwd_step(
             b_q1, b_q2, p_k1, p_k2, k_tile, 0, o_i, len_q, len_k, k_start, window_left, window_right,
             stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-            b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
+            b_m1, b_m2, b_l1, b_l2, b_acc, b_flags, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
             BLOCK_K=BLOCK_K, MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, USE_TMA=USE_TMA,
             FOLD=FOLD,
         )
+    # a full tile allows every key to every row on both sides
+    b_flags = b_flags | tl.where(tl.minimum(n_full, hi) > lo, 2, 0)
     # then the partial tiles, masked as their flags say
     for visit in range(tl.maximum(n_full, lo), hi):
         k_tile = tl.load(p_index + visit)
         flags = tl.load(p_flags + visit).to(tl.int32)
-        b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered = _fwd_step(
+        b_m1, b_m2, b_l1, b_l2, b_acc, b_flags = _fwd_step(
             b_q1, b_q2, p_k1, p_k2, k_tile, flags, o_i, len_q, len_k, k_start, window_left, window_right,
             stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
-            b_m1, b_m2, b_l1, b_l2, b_acc, b_uncovered, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
+            b_m1, b_m2, b_l1, b_l2, b_acc, b_flags, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
             BLOCK_K=BLOCK_K, MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE, USE_TMA=USE_TMA,
             FOLD=FOLD,
         )
@@ -252,16 +255,18 @@ def _kl_fwd_kernel(
         tl.store(p_parts + 2 * stride_part_stat, b_m2, mask=m_i)
         tl.store(p_parts + 3 * stride_part_stat, b_l2, mask=m_i)
         tl.store(p_parts + 4 * stride_part_stat, b_acc, mask=m_i)
-        tl.store(p_parts + 5 * stride_part_stat, b_uncovered.to(tl.float32), mask=m_i)
+        tl.store(p_parts + 5 * stride_part_stat, b_flags.to(tl.float32), mask=m_i)
     else:
-        # finalize (SPEC 4), back to natural logs; large terms cancelled first: m1 - m2, log l1 - log l2
-        m_empty1 = b_l1 == 0.0
+        # finalize (SPEC 4), back to natural logs; large terms cancelled first: m1 - m2, log l1 - log l2.
+        # Empty and uncovered rows by structure; l == 0 on a row that is neither: its allowed
+        # scores are all -inf by value (an infinite input), and it reads NaN (E too), as softmax does
+        m_empty1 = (b_flags & 2) == 0
         b_lse1 = (b_m1 + tl.log2(b_l1)) * LN2_K
         b_lse2 = (b_m2 + tl.log2(b_l2)) * LN2_K
         b_expect = tl.where(m_empty1, 0.0, b_acc / tl.where(m_empty1, 1.0, b_l1)) * LN2_K
         b_kl = b_expect - ((b_m1 - b_m2) + tl.log2(b_l1) - tl.log2(b_l2)) * LN2_K
-        m_uncovered = (b_uncovered != 0) | (~m_empty1 & (b_l2 == 0.0))
-        b_kl = tl.where(m_uncovered, float("inf"), b_kl)  # E stays finite: the backward needs it
+        b_kl = tl.where((b_l1 == 0.0) | (b_l2 == 0.0), float("nan"), b_kl)
+        b_kl = tl.where((b_flags & 1) != 0, float("inf"), b_kl)  # E stays finite: the backward needs it
         b_kl = tl.where(m_empty1, 0.0, b_kl)
 
         tl.store(KL + seq64 * stride_klb + o_rows * stride_kln + head * stride_klh, b_kl, mask=m_i)
@@ -431,7 +436,7 @@ def split_count(problem: Problem, programs: int, num_k_tiles: int) -> int:
 def combine_splits(problem: Problem, parts: torch.Tensor, kl_rows, lse1, lse2, expect) -> None:
     """Merge the slices' raw statistics exactly (online-softmax rescaling, log2 units), finalize
     with the SPEC's edge rules and write the outputs in place. Torch ops on the device, no sync."""
-    m1, l1, m2, l2, acc, uncovered = parts.unbind(0)  # each [splits, *lse shape]
+    m1, l1, m2, l2, acc, flags = parts.unbind(0)  # each [splits, *lse shape]
     top1, top2 = m1.amax(0), m2.amax(0)
     shift1 = torch.where(top1 == float("-inf"), 0.0, top1)
     shift2 = torch.where(top2 == float("-inf"), 0.0, top2)
@@ -439,13 +444,15 @@ def combine_splits(problem: Problem, parts: torch.Tensor, kl_rows, lse1, lse2, e
     l1 = (l1 * weight1).sum(0)
     acc = (acc * weight1).sum(0)
     l2 = (l2 * torch.exp2(m2 - shift2)).sum(0)
-    empty1 = l1 == 0
+    flags = flags.to(torch.int32)
+    uncovered = (flags & 1).amax(0) != 0
+    empty1 = (flags & 2).amax(0) == 0  # no key allowed on side 1 in any slice (structure)
     lse1.copy_((top1 + torch.log2(l1)) * LN2)
     lse2.copy_((top2 + torch.log2(l2)) * LN2)
     e = torch.where(empty1, 0.0, acc / torch.where(empty1, 1.0, l1)) * LN2
     expect.copy_(e)
     kl = e - ((top1 - top2) + torch.log2(l1) - torch.log2(l2)) * LN2
-    uncovered = (uncovered.amax(0) != 0) | (~empty1 & (l2 == 0))
+    kl = torch.where((l1 == 0) | (l2 == 0), float("nan"), kl)  # all -inf by value: see the kernel
     kl = torch.where(uncovered, float("inf"), kl)
     kl = torch.where(empty1, 0.0, kl)
     kl_rows.copy_(kl.transpose(0, 1) if problem.is_varlen else kl.transpose(1, 2))
