@@ -449,7 +449,7 @@ def test_key_major_configuration_choice(monkeypatch):
         problem = SimpleNamespace(dim1=dim, dim2=dim, dtype=torch.bfloat16, causal=causal, window=window,
                                   has_structural_mask=causal or window != (-1, -1), mask1=mask, mask2=mask)
         tiles = backward.bwd_tiles(problem, schedule, two_sides)
-        return tiles, backward.kv_config(problem, *tiles)
+        return tiles, backward.kv_config(problem, *tiles, two_sides)
 
     assert config() == ((64, 128), (4, 1))
     assert config(causal=True)[0] == (128, 128) and config(causal=True)[1][0] == 8
@@ -458,6 +458,8 @@ def test_key_major_configuration_choice(monkeypatch):
     assert config(mask=SimpleNamespace(block_q=32, block_k=128))[0] == (32, 128)
     assert config(dim=64) == ((64, 128), (4, 2))
     assert config(two_sides=True)[0] == (128, 64)
+    # both sides under 64-row mask blocks keep the first session's warps / stages rule
+    assert config(two_sides=True, mask=SimpleNamespace(block_q=64, block_k=64)) == ((64, 64), (4, 2))
 
 
 def test_atomic_head_chunk_choice(monkeypatch):

@@ -451,7 +451,7 @@ def bwd_tiles(problem: Problem, schedule: TileSchedule, two_sides: bool) -> tupl
     return block_q, block_k
 
 
-def kv_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
+def kv_config(problem: Problem, block_q: int, block_k: int, two_sides: bool = False) -> tuple[int, int]:
     """(num_warps, num_stages) of the key-major kernel, which streams query tiles."""
     if interpreting():
         return 4, 1
@@ -460,7 +460,7 @@ def kv_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
     if problem.dtype.itemsize != 2 or block_d > 128:  # the first session's configuration (not re-tuned)
         return 4 if block_d <= 64 else 8, pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2)
-    if block_q == 64 and _two_programs_per_sm(problem, block_d) and "kv" not in TUNE:
+    if block_q == 64 and not two_sides and _two_programs_per_sm(problem, block_d) and "kv" not in TUNE:
         return 4, 1
     stages = pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2, budget=200 * 1024)
     return TUNE.get("kv", (8 if block_q * block_k * block_d > 64 * 128 * 64 else 4, stages))
@@ -645,7 +645,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         launches = [(group1, True, False), (group2, False, True)]
     else:
         launches = [(group1 if side1 else group2, side1, side2)]
-    num_warps, num_stages = kv_config(problem, block_q, block_k)
+    num_warps, num_stages = kv_config(problem, block_q, block_k, two_sides)
     k_programs = num_k_tiles(problem, block_k)
     tables = (keys.q_count, keys.q_full, keys.q_index, keys.q_partial)
     chunks = atomic_head_chunks(problem, k_programs, launches[0][0]) if atomic else 1
