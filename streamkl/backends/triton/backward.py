@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from streamkl.backends.triton.common import (
+    _INTERPRET,
     LN2_K,
     LOG2E_K,
     _dot,
@@ -240,6 +241,32 @@ def _kl_bwd_dq_kernel(
 
 
 @triton.jit
+def _add_dq(
+    p, b_dq, DQ_DESC, dq_row, dq_col, q_tile, m_i, m_d,
+    BLOCK_Q: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DQ_TMA: tl.constexpr,
+):
+    """Add one query tile's dq [BQ, D] (float32, pointers `p`) into the accumulator: element
+    atomics masked as the tile needs, or with DQ_TMA one bulk tensor-memory reduction of the whole
+    tile at (dq_row + the tile's first row, dq_col) of the 2-D view. Its rows past the sequence land
+    in the next sequence's rows (or are clipped at the tensor's end): they are zeroed first, since
+    their dS is 0 but 0 times an infinite key is NaN."""
+    if DQ_TMA:
+        if MASKED:
+            b_dq = tl.where(m_i[:, None], b_dq, 0.0)
+        if _INTERPRET:  # no descriptor reductions there: the same whole-tile add, clipped at the end
+            o_flat = dq_row + q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+            tl.atomic_add(p, b_dq, mask=(o_flat < DQ_DESC.shape[0])[:, None] & m_d[None, :], sem="relaxed")
+        else:
+            DQ_DESC.atomic_add([dq_row + q_tile * BLOCK_Q, dq_col], b_dq)
+    elif MASKED:
+        tl.atomic_add(p, b_dq, mask=m_i[:, None] & m_d[None, :], sem="relaxed")
+    elif EVEN_D:
+        tl.atomic_add(p, b_dq, sem="relaxed")
+    else:
+        tl.atomic_add(p, b_dq, mask=m_d[None, :], sem="relaxed")
+
+
+@triton.jit
 def _kv_step(
     b_k1, b_k2, b_dk1, b_dk2, q_tile, flags, o_j, len_q, len_k, q_start,
     p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
@@ -250,10 +277,8 @@ def _kv_step(
     NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr, ATOMIC_DQ1: tl.constexpr, ATOMIC_DQ2: tl.constexpr,
     FOLD: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
-    """One query tile against the program's key tile: dk accumulated, dq added atomically (element
-    atomics, or with DQ_TMA one bulk tensor-memory reduction of the [BQ, D] tile, its rows past
-    the sequence zeroed: they land in the next sequence's rows). out_scale*: each side's softmax
-    scale times the upstream gradient's normalization."""
+    """One query tile against the program's key tile: dk accumulated, dq added atomically
+    (`_add_dq`). out_scale*: each side's softmax scale times the upstream gradient's rescaling."""
     o_i = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     m_i = o_i < len_q
     o_rows = (q_start + o_i).to(tl.int64)
@@ -274,31 +299,11 @@ def _kv_step(
     if NEED_DK2:
         b_dk2 += _dot(tl.trans(b_ds2), b_q2, IEEE)  # [BK, BD2]
     if ATOMIC_DQ1:
-        b_dq1 = _dot(b_ds1, b_k1, IEEE) * out_scale1  # [BQ, BD1]
-        p = p_dq1 + o_rows[:, None] * stride_dq1n
-        if DQ_TMA:
-            if MASKED:  # dS is 0 there, but 0 * an infinite key is NaN: keep it out of other rows
-                b_dq1 = tl.where(m_i[:, None], b_dq1, 0.0)
-            DQ1_DESC.atomic_add([dq_row + q_tile * BLOCK_Q, dq_col1], b_dq1)
-        elif MASKED:
-            tl.atomic_add(p, b_dq1, mask=m_i[:, None] & m_d1[None, :], sem="relaxed")
-        elif EVEN_D:
-            tl.atomic_add(p, b_dq1, sem="relaxed")
-        else:
-            tl.atomic_add(p, b_dq1, mask=m_d1[None, :], sem="relaxed")
+        _add_dq(p_dq1 + o_rows[:, None] * stride_dq1n, _dot(b_ds1, b_k1, IEEE) * out_scale1, DQ1_DESC, dq_row,
+                dq_col1, q_tile, m_i, m_d1, BLOCK_Q, MASKED, EVEN_D, DQ_TMA)  # [BQ, BD1]
     if ATOMIC_DQ2:
-        b_dq2 = _dot(b_ds2, b_k2, IEEE) * out_scale2  # [BQ, BD2]
-        p = p_dq2 + o_rows[:, None] * stride_dq2n
-        if DQ_TMA:
-            if MASKED:
-                b_dq2 = tl.where(m_i[:, None], b_dq2, 0.0)
-            DQ2_DESC.atomic_add([dq_row + q_tile * BLOCK_Q, dq_col2], b_dq2)
-        elif MASKED:
-            tl.atomic_add(p, b_dq2, mask=m_i[:, None] & m_d2[None, :], sem="relaxed")
-        elif EVEN_D:
-            tl.atomic_add(p, b_dq2, sem="relaxed")
-        else:
-            tl.atomic_add(p, b_dq2, mask=m_d2[None, :], sem="relaxed")
+        _add_dq(p_dq2 + o_rows[:, None] * stride_dq2n, _dot(b_ds2, b_k2, IEEE) * out_scale2, DQ2_DESC, dq_row,
+                dq_col2, q_tile, m_i, m_d2, BLOCK_Q, MASKED, EVEN_D, DQ_TMA)  # [BQ, BD2]
     return b_dk1, b_dk2
 
 
@@ -504,14 +509,26 @@ def _heads(t: torch.Tensor | None, varlen: bool, lo: int, hi: int, stat: bool = 
 DQ_TMA = True
 
 
+#: Tests: True adds dq through descriptors wherever the layout allows, the interpreter too (whose
+#: kernel then emulates the bulk reduction: a whole-tile add clipped at the tensor's edge), False
+#: never; None follows DQ_TMA / TUNE on Hopper or newer GPUs.
+DQ_TMA_OVERRIDE: bool | None = None
+
+
 def dq_descriptors(problem: Problem, accum: tuple, block_q: int):
     """2-D [tokens, heads * dim] descriptors of the float32 dq accumulators (None for a side
     without one), or None where the bulk reductions do not apply: switched off, the interpreter
     (which has no descriptor reductions), not Hopper or newer, head dims not equal to their blocks."""
-    if not TUNE.get("dq_tma", DQ_TMA) or interpreting() or problem.device.type != "cuda":
+    if DQ_TMA_OVERRIDE is not None:
+        if not DQ_TMA_OVERRIDE:
+            return None
+    elif not TUNE.get("dq_tma", DQ_TMA) or interpreting() or problem.device.type != "cuda":
         return None
-    index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-    if capability(index)[0] < 9 or not even_dims(problem) or max(problem.dim1, problem.dim2) > 128:
+    else:
+        index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+        if capability(index)[0] < 9:
+            return None
+    if not even_dims(problem) or max(problem.dim1, problem.dim2) > 128:
         return None
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
