@@ -177,11 +177,15 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int) -> int:
 _HOST_VALUES: OrderedDict = OrderedDict()
 
 
+def _host_key(cu: torch.Tensor) -> tuple:
+    return id(cu), cu._version, cu.data_ptr(), cu.numel()
+
+
 def host_values(cu: torch.Tensor) -> torch.Tensor:
     """cu_seqlens as a CPU int64 tensor, cached per table (id, version, address; the cache keeps the
     table alive, 32 entries): a training loop that passes the same table again pays no device copy
     and sync. A table changed in place through torch moves its version and is read again."""
-    key = (id(cu), cu._version, cu.data_ptr(), cu.numel())
+    key = _host_key(cu)
     hit = _HOST_VALUES.get(key)
     if hit is not None:
         _HOST_VALUES.move_to_end(key)
@@ -199,7 +203,7 @@ def known_host_values(cu: torch.Tensor) -> torch.Tensor | None:
     arithmetic (the mean's structural row count); never while compiling (fake tensors)."""
     if torch.compiler.is_compiling():
         return None
-    hit = _HOST_VALUES.get((id(cu), cu._version, cu.data_ptr(), cu.numel()))
+    hit = _HOST_VALUES.get(_host_key(cu))
     return None if hit is None else hit[0]
 
 

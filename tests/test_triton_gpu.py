@@ -442,9 +442,7 @@ def test_key_major_configuration_choice(monkeypatch):
     gradients keep 64-key tiles."""
     from types import SimpleNamespace
 
-    from streamkl.backends.triton import backward
-
-    from streamkl.backends.triton import common
+    from streamkl.backends.triton import backward, common
 
     monkeypatch.setattr(backward, "interpreting", lambda: False)
     monkeypatch.setattr(common, "interpreting", lambda: False)
@@ -479,8 +477,9 @@ def test_atomic_head_chunk_choice(monkeypatch):
     monkeypatch.setattr(backward, "_multiprocessors", lambda index: 132)
 
     def chunks(heads, heads_k, k_programs, itemsize=2, batch=1):
+        dtype = torch.bfloat16 if itemsize == 2 else torch.float32
         problem = SimpleNamespace(heads=heads, heads_k1=heads_k[0], heads_k2=heads_k[1], batch=batch,
-                                  device=torch.device("cuda", 0), dtype=torch.bfloat16 if itemsize == 2 else torch.float32)
+                                  device=torch.device("cuda", 0), dtype=dtype)
         group_drive = heads // heads_k[1]
         return backward.atomic_head_chunks(problem, k_programs, group_drive)
 

@@ -103,3 +103,21 @@ def write_tail_rows(problem: Problem, kl_rows, lse1, lse2, expect) -> None:
     lse1.masked_fill_(tail[None, :], float("-inf"))
     lse2.masked_fill_(tail[None, :], float("-inf"))
     expect.masked_fill_(tail[None, :], 0.0)
+
+
+def finalize_rows(m1, l1, m2, l2, acc, uncovered, empty1):
+    """From the five running statistics (natural-log units) to (KL, lse1, lse2, E), with the SPEC's
+    edge rules: the torch backend's rows and the Triton split-K merge.
+
+    `uncovered` and `empty1` come from the structure (masks, causality, window, lengths): a row
+    whose allowed scores are all -inf by value on either side (an infinite input) has l == 0
+    without being empty, and reads NaN (softmax of all -inf), its E too."""
+    lse1 = m1 + torch.log(l1)  # -inf on empty rows
+    lse2 = m2 + torch.log(l2)
+    expect = torch.where(empty1, 0.0, acc / torch.where(empty1, 1.0, l1))
+    # KL = E - lse1 + lse2, with the large terms cancelled first: m2 - m1 and log(l2 / l1)
+    kl = expect - (m1 - m2) - torch.log(l1) + torch.log(l2)
+    kl = torch.where((l1 == 0) | (l2 == 0), float("nan"), kl)
+    kl = torch.where(uncovered, float("inf"), kl)
+    kl = torch.where(empty1, 0.0, kl)
+    return kl, lse1, lse2, expect

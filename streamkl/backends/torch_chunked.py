@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from streamkl.backends.base import Backend, lse_view, new_outputs, row_view, sequence_spans, write_tail_rows
+from streamkl.backends.base import (
+    Backend,
+    finalize_rows,
+    lse_view,
+    new_outputs,
+    row_view,
+    sequence_spans,
+    write_tail_rows,
+)
 from streamkl.problem import Problem, SideMask
 from streamkl.sparse.schedule import TileSchedule
 
@@ -244,7 +252,7 @@ class TorchChunkedBackend(Backend):
                 acc = acc * alpha1 + (e1 * diff).sum(-1)
                 l2 = l2 * torch.exp(m2 - m2_safe) + torch.exp(s2 - m2_safe[..., None]).sum(-1)
                 m1, m2 = m1_new, m2_new
-            kl, row_lse1, row_lse2, row_e = finalize(m1, l1, m2, l2, acc, uncovered, ~seen1)
+            kl, row_lse1, row_lse2, row_e = finalize_rows(m1, l1, m2, l2, acc, uncovered, ~seen1)
             _, q_start, len_q, _, _ = span
             row_slice = _as_slice(rows)
             row_view(problem, kl_rows, seq, q_start, len_q)[row_slice, heads] = kl.transpose(0, 1)
@@ -354,20 +362,3 @@ def _kv_heads(problem: Problem, heads: slice, num_kv_heads: int) -> slice:
         return slice(None)
     kv_head = heads.start // (problem.heads // num_kv_heads)
     return slice(kv_head, kv_head + 1)
-
-
-def finalize(m1, l1, m2, l2, acc, uncovered, empty1):
-    """From the five running statistics to (KL, lse1, lse2, E), with the SPEC's edge rules.
-
-    `uncovered` and `empty1` come from the structure (masks, causality, window, lengths): a row
-    whose allowed scores are all -inf by value on either side (an infinite input) has l == 0
-    without being empty, and reads NaN (softmax of all -inf), its E too."""
-    lse1 = m1 + torch.log(l1)  # -inf on empty rows
-    lse2 = m2 + torch.log(l2)
-    expect = torch.where(empty1, 0.0, acc / torch.where(empty1, 1.0, l1))
-    # KL = E - lse1 + lse2, with the large terms cancelled first: m2 - m1 and log(l2 / l1)
-    kl = expect - (m1 - m2) - torch.log(l1) + torch.log(l2)
-    kl = torch.where((l1 == 0) | (l2 == 0), float("nan"), kl)
-    kl = torch.where(uncovered, float("inf"), kl)
-    kl = torch.where(empty1, 0.0, kl)
-    return kl, lse1, lse2, expect

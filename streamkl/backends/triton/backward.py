@@ -36,6 +36,7 @@ from streamkl.backends.triton.common import (
     broadcast_strides,
     capability,
     check_tiles,
+    device_index,
     dim_blocks,
     even_dims,
     group_sizes,
@@ -431,8 +432,8 @@ def _two_programs_per_sm(problem: Problem, block_d: int) -> bool:
     overlap the other's products). Measured on the H200 (bf16, D=128, student, N=16K,
     tune_h200_round7.jsonl): 0.86x SDPA against 0.97x for 128-row tiles of 8 warps; with
     causality the 128-row tiles stay faster (0.88x against 0.90x). Block masks (whose tiles are
-    whole, like dense ones) take it too: with the 128-row tiles there, 90 % sparsity measured
-    0.159x the (faster) dense time, synchronized."""
+    whole, like dense ones) take it too: all blocks on, forward + backward 25.2 -> 22.6 ms
+    (suite_sparsity.md); at 90 % sparsity unchanged (3.4-3.5 ms, host-bound)."""
     return 64 < block_d <= 128 and not problem.has_structural_mask
 
 
@@ -524,10 +525,8 @@ def dq_descriptors(problem: Problem, accum: tuple, block_q: int):
             return None
     elif not TUNE.get("dq_tma", DQ_TMA) or interpreting() or problem.device.type != "cuda":
         return None
-    else:
-        index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-        if capability(index)[0] < 9:
-            return None
+    elif capability(device_index(problem))[0] < 9:
+        return None
     if not even_dims(problem) or max(problem.dim1, problem.dim2) > 128:
         return None
     try:
@@ -574,8 +573,7 @@ def atomic_head_chunks(problem: Problem, k_programs: int, group_drive: int) -> i
     else:
         chunks = 2
         programs = k_programs * problem.batch * (problem.heads // chunks) // group_drive
-        index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-        if programs < 3 * _multiprocessors(index):
+        if programs < 3 * _multiprocessors(device_index(problem)):
             return 1
     heads_units = problem.heads // unit
     while chunks > 1 and heads_units % chunks:

@@ -32,6 +32,11 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def device_index(problem: Problem) -> int:
+    """The CUDA device index of a problem's tensors (the current device for a bare "cuda")."""
+    return problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (CI, tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

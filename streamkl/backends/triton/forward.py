@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamkl.backends.base import new_outputs, write_tail_rows
+from streamkl.backends.base import finalize_rows, new_outputs, write_tail_rows
 from streamkl.backends.triton.common import (
     LN2,
     LN2_K,
@@ -20,6 +20,7 @@ from streamkl.backends.triton.common import (
     capability,
     cdiv,
     check_tiles,
+    device_index,
     dim_blocks,
     even_dims,
     group_sizes,
@@ -328,7 +329,7 @@ def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_
         return None
     elif problem.device.type != "cuda":
         return None
-    elif capability(problem.device.index if problem.device.index is not None else torch.cuda.current_device())[0] < 9:
+    elif capability(device_index(problem))[0] < 9:
         return None
     if not even_dims(problem):
         return None
@@ -427,7 +428,7 @@ def split_count(problem: Problem, programs: int, num_k_tiles: int) -> int:
         return max(1, min(SPLIT_OVERRIDE, num_k_tiles))
     if interpreting() or problem.device.type != "cuda":
         return 1
-    sms = _multiprocessors(problem.device.index if problem.device.index is not None else torch.cuda.current_device())
+    sms = _multiprocessors(device_index(problem))
     if 2 * programs > sms:
         return 1
     return max(1, min(cdiv(2 * sms, programs), num_k_tiles // 4, 64))
@@ -447,12 +448,9 @@ def combine_splits(problem: Problem, parts: torch.Tensor, kl_rows, lse1, lse2, e
     flags = flags.to(torch.int32)
     uncovered = (flags & 1).amax(0) != 0
     empty1 = (flags & 2).amax(0) == 0  # no key allowed on side 1 in any slice (structure)
-    lse1.copy_((top1 + torch.log2(l1)) * LN2)
-    lse2.copy_((top2 + torch.log2(l2)) * LN2)
-    e = torch.where(empty1, 0.0, acc / torch.where(empty1, 1.0, l1)) * LN2
-    expect.copy_(e)
-    kl = e - ((top1 - top2) + torch.log2(l1) - torch.log2(l2)) * LN2
-    kl = torch.where((l1 == 0) | (l2 == 0), float("nan"), kl)  # all -inf by value: see the kernel
-    kl = torch.where(uncovered, float("inf"), kl)
-    kl = torch.where(empty1, 0.0, kl)
+    # back to natural logs: maxima and the expectation's sum scale by ln 2, the sums l do not
+    kl, row_lse1, row_lse2, row_e = finalize_rows(top1 * LN2, l1, top2 * LN2, l2, acc * LN2, uncovered, empty1)
+    lse1.copy_(row_lse1)
+    lse2.copy_(row_lse2)
+    expect.copy_(row_e)
     kl_rows.copy_(kl.transpose(0, 1) if problem.is_varlen else kl.transpose(1, 2))
