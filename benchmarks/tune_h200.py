@@ -70,7 +70,7 @@ def sdpa_times(n, h, d, causal):
 
 #: configuration keys -> the modules whose TUNE dict reads them ("fold": the score arithmetic of both)
 TUNE_KEYS = {"fwd": (tfwd,), "tma": (tfwd,), "kv_tiles": (tbwd,), "kv_tiles2": (tbwd,), "kv": (tbwd,),
-             "dq": (tbwd,), "fold": (tfwd, tbwd), "dq_tma": (tbwd,)}
+             "dq": (tbwd,), "fold": (tfwd, tbwd), "dq_tma": (tbwd,), "atomic2": (tbwd,)}
 
 
 def set_config(cfg):
@@ -105,6 +105,8 @@ def main():
     parser.add_argument("--section", default="fwd,bwd,sparse")
     parser.add_argument("--fwd-configs", default=None, help="JSON list of configs")
     parser.add_argument("--bwd-configs", default=None, help="JSON list of configs")
+    parser.add_argument("--bwd-modes", default="student,all", help="backward modes of the bwd section")
+    parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
     out = Path(args.out)
@@ -164,15 +166,16 @@ def main():
     if "bwd" in sections:
         set_config({})
         fwd_ms = {}
-        for d in (128, 64):
+        for d in [int(v) for v in args.bwd_dims.split(",")]:
             for causal in (False, True):
                 x = inputs(n, h, d)
                 fwd_ms[d, causal] = bench(kl_fn(x, causal=causal))
+        modes = args.bwd_modes.split(",")
         for cfg in bwd_configs:
-            for d in (128, 64):
+            for d in [int(v) for v in args.bwd_dims.split(",")]:
                 for causal in (False, True):
                     for mode, grads in (("student", (False, False, True, True)), ("all", (True,) * 4)):
-                        if mode == "all" and d == 64:
+                        if (mode == "all" and d == 64) or mode not in modes:
                             continue
                         for det in (False, True):
                             if det and cfg:
@@ -275,19 +278,26 @@ def main():
         import pstats
 
         xs = inputs(n, h, 128, grads=(False, False, True, True))
+        x64 = inputs(n, h, 64)
+        pattern = torch.rand(1, h, n // 128, n // 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        mask = streamkl.BlockMask.from_dense(pattern >= 0.9, 128)
         report = io.StringIO()
-        for label, fn in (("forward", kl_fn(x, causal=True)), ("forward+backward", kl_fn(xs, True, causal=True))):
+        cases = (("forward, causal", kl_fn(x, causal=True)), ("forward, D=64", kl_fn(x64)),
+                 ("forward+backward student, causal", kl_fn(xs, True, causal=True)),
+                 ("forward+backward student, 90 % block sparsity", kl_fn(xs, True, mask1=mask, mask2=mask)))
+        for label, fn in cases:
             fn()
             torch.cuda.synchronize()
             profiler = cProfile.Profile()
-            for _ in range(10):
+            for _ in range(20):
                 torch.cuda._sleep(100_000_000)
                 profiler.enable()
                 fn()
                 profiler.disable()
                 torch.cuda.synchronize()
-            report.write(f"===== {label}: 10 calls\n")
-            pstats.Stats(profiler, stream=report).sort_stats("cumulative").print_stats(35)
+            for order in ("tottime", "cumulative"):
+                report.write(f"===== {label}: 20 calls, by {order}\n")
+                pstats.Stats(profiler, stream=report).sort_stats(order).print_stats(30)
         (out / "host_profile.txt").write_text(report.getvalue())
     if "check" in sections:
         for cfg in fwd_configs + bwd_configs:

@@ -480,7 +480,8 @@ def arithmetic(problem: Problem) -> dict:
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
 #: "kv_tiles" / "kv_tiles2" -> (block_q, block_k) for one side's / both sides' gradients,
-#: "kv" -> (warps, stages), "fold" -> bool, "dq_tma" -> bool.
+#: "kv" -> (warps, stages), "fold" -> bool, "dq_tma" -> bool, "atomic2" -> bool (both sides' gradients
+#: through the atomic key-major pass instead of the two kernels).
 TUNE: dict = {}
 
 
@@ -589,7 +590,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     # atomic dq; both sides': the two-kernel path, measured faster than the atomic pass there
     two_sides = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
     deterministic = problem.deterministic or torch.are_deterministic_algorithms_enabled()
-    atomic = not deterministic and not two_sides
+    atomic = not deterministic and (not two_sides or bool(TUNE.get("atomic2", False)))
     if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
         return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
