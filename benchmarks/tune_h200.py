@@ -70,7 +70,8 @@ def sdpa_times(n, h, d, causal):
 
 #: configuration keys -> the modules whose TUNE dict reads them ("fold": the score arithmetic of both)
 TUNE_KEYS = {"fwd": (tfwd,), "tma": (tfwd,), "kv_tiles": (tbwd,), "kv_tiles2": (tbwd,), "kv": (tbwd,),
-             "dq": (tbwd,), "fold": (tfwd, tbwd), "dq_tma": (tbwd,), "atomic2": (tbwd,)}
+             "dq": (tbwd,), "fold": (tfwd, tbwd), "dq_tma": (tbwd,), "atomic2": (tbwd,),
+             "dq_tiles": (tbwd,)}
 
 
 def set_config(cfg):
@@ -105,7 +106,9 @@ def main():
     parser.add_argument("--section", default="fwd,bwd,sparse")
     parser.add_argument("--fwd-configs", default=None, help="JSON list of configs")
     parser.add_argument("--bwd-configs", default=None, help="JSON list of configs")
-    parser.add_argument("--bwd-modes", default="student,all", help="backward modes of the bwd section")
+    parser.add_argument("--bwd-modes", default="student,all",
+                        help="backward modes of the bwd section: student, all, det (student, deterministic only)")
+    parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
@@ -175,11 +178,14 @@ def main():
             for d in [int(v) for v in args.bwd_dims.split(",")]:
                 for causal in (False, True):
                     for mode, grads in (("student", (False, False, True, True)), ("all", (True,) * 4)):
-                        if (mode == "all" and d == 64) or mode not in modes:
+                        wanted = mode in modes or (mode == "student" and "det" in modes)
+                        if (mode == "all" and d == 64) or not wanted:
                             continue
                         for det in (False, True):
-                            if det and cfg:
+                            if det and cfg and not args.det_all and "det" not in modes:
                                 continue
+                            if mode == "student" and "student" not in modes and not det:
+                                continue  # "det": the deterministic student backward only
                             set_config(cfg)
                             try:
                                 x = inputs(n, h, d, grads=grads)
@@ -279,7 +285,8 @@ def main():
 
         xs = inputs(n, h, 128, grads=(False, False, True, True))
         x64 = inputs(n, h, 64)
-        pattern = torch.rand(1, h, n // 128, n // 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        pattern = torch.rand(1, h, n // 128, n // 128, device="cuda", generator=gen)
         mask = streamkl.BlockMask.from_dense(pattern >= 0.9, 128)
         report = io.StringIO()
         cases = (("forward, causal", kl_fn(x, causal=True)), ("forward, D=64", kl_fn(x64)),

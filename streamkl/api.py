@@ -76,10 +76,12 @@ def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str, probl
     """The SPEC's reductions; `mean` divides by the rows whose side-1 support is non-empty."""
     if reduction == "none":
         return kl_rows
-    total = kl_rows.sum()
     if reduction == "sum":
-        return total
+        return kl_rows.sum()
     count = None if problem is None else structural_row_count(problem)
+    if count is not None and count == kl_rows.numel() > 0:  # every row counts: one kernel, one autograd node
+        return kl_rows.mean()
+    total = kl_rows.sum()
     if count is not None:  # no device op, no temporary
         return total / max(count, 1)
     # a side-1 block mask (or varlen lengths unknown on the host): count the rows lse1 says are

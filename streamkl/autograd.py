@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from streamkl.backends.base import Backend
+from streamkl.backends.base import Backend, empty_rows_to_zero
 from streamkl.dispatch import get_backend
 from streamkl.problem import Problem, SideMask, describe_problem
 from streamkl.sparse.schedule import get_schedule
-
-NEG_INF = float("-inf")
 
 # ints carried through the op, in this order
 _INT_FIELDS = (
@@ -85,7 +83,10 @@ def run_forward(problem: Problem, impl: Backend, q1, k1, q2, k2):
 def run_backward(problem: Problem, impl: Backend, schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs):
     """(dq1, dk1, dq2, dk2), None where `needs` is False."""
     # a row whose side-1 support is empty has KL 0 whatever the scores: its gradient is exactly 0
-    grad_rows = torch.where(_rows_from_lse(lse1, problem.is_varlen) == NEG_INF, 0.0, grad_rows.float())
+    if impl.zeroes_empty_rows:  # the kernels do it as they load the row (no extra pass here)
+        grad_rows = grad_rows.float()
+    else:
+        grad_rows = empty_rows_to_zero(grad_rows, lse1, problem.is_varlen)
     return impl.backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, tuple(needs))
 
 
@@ -151,11 +152,6 @@ def kl_backward_op(
 @kl_backward_op.register_fake
 def _(grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ints, floats, backend, needs):
     return tuple(torch.empty_like(t) if need else t.new_empty(0) for t, need in zip((q1, k1, q2, k2), needs))
-
-
-def _rows_from_lse(lse: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """lse [B, H, N] or [H, T] -> row layout [B, N, H] or [T, H]."""
-    return lse.transpose(0, 1) if varlen else lse.transpose(1, 2)
 
 
 def _setup_context(ctx, inputs, output):

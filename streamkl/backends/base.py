@@ -27,6 +27,9 @@ class Backend:
     name: ClassVar[str] = ""
     #: True when the backend needs a CUDA device; used by `available_backends()`.
     needs_cuda: ClassVar[bool] = False
+    #: True when `backward` itself gives rows whose side-1 support is empty (lse1 = -inf) a zero
+    #: gradient, whatever their upstream gradient; otherwise the front end masks `grad_rows` first.
+    zeroes_empty_rows: ClassVar[bool] = False
 
     def environment_reasons(self) -> list[str]:
         """Why this backend cannot run at all on this machine (missing package, no GPU...)."""
@@ -45,6 +48,13 @@ class Backend:
 
     def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
         raise NotImplementedError
+
+
+def empty_rows_to_zero(grad_rows: torch.Tensor, lse1: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """grad_rows (float32, [B, N, H] or [T, H]) with the rows whose side-1 support is empty
+    (lse1 = -inf; lse layout [B, H, N] or [H, T]) set to 0."""
+    rows = lse1.transpose(0, 1) if varlen else lse1.transpose(1, 2)
+    return torch.where(rows == float("-inf"), 0.0, grad_rows.float())
 
 
 def sequence_spans(problem: Problem):

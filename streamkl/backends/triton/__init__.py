@@ -54,6 +54,7 @@ def _tile_sizes(dim1: int, dim2: int, itemsize: int, mask_blocks: tuple, interpr
 class TritonBackend(Backend):
     name = "triton"
     needs_cuda = True
+    zeroes_empty_rows = True  # backward._row_stats
 
     def environment_reasons(self) -> list[str]:
         reason = _import_reason()

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from streamkl.backends.base import empty_rows_to_zero
 from streamkl.backends.triton.common import (
     _INTERPRET,
     LN2_K,
@@ -70,6 +71,9 @@ def _row_stats(LSE1, LSE2, EXPECT, GRAD, o_stat, o_grad, m_i, MASKED: tl.constex
         b_lse2 = tl.load(LSE2 + o_stat)
         b_e = tl.load(EXPECT + o_stat)
         b_g = tl.load(GRAD + o_grad)
+    # a row whose side-1 support is empty has KL 0 whatever the scores: its gradient is exactly 0
+    # (the upstream g may be anything there, NaN included: the front end leaves it to this load)
+    b_g = tl.where(b_lse1 == float("-inf"), 0.0, b_g)
     # an empty row's lse is -inf: +inf makes its p = exp2(s - lse) exactly 0
     b_lse1 = tl.where(b_lse1 == float("-inf"), float("inf"), b_lse1 * LOG2E_K)
     b_lse2 = tl.where(b_lse2 == float("-inf"), float("inf"), b_lse2 * LOG2E_K)
@@ -329,6 +333,7 @@ def _kl_bwd_kv_kernel(
     stride_cs, stride_ch, stride_ck,
     stride_is, stride_ih, stride_ik,
     seqlen_q, seqlen_k, heads, group1, group2, group_drive,
+    head_base,  # the first query head of this launch's chunk (`heads` of them)
     scale1, scale2,  # scale * log2(e)
     window_left, window_right,
     dim1, dim2, k_programs,
@@ -339,12 +344,13 @@ def _kl_bwd_kv_kernel(
     FOLD: tl.constexpr, DQ_TMA: tl.constexpr, NORM_G: tl.constexpr,
 ):
     # one program per (key tile, sequence, key head of the driving side); it loops over the query
-    # heads of that key head's group, so the GQA sum stays inside the program
+    # heads of that key head's group, so the GQA sum stays inside the program. Heads are counted
+    # from head_base (a chunk of the heads); the float32 dq accumulators hold the chunk's heads only
     pid_bh = tl.program_id(0) // k_programs  # flat grid, key tiles fastest
     pid_k = tl.program_id(0) - pid_bh * k_programs
     heads_k = heads // group_drive
     seq = pid_bh // heads_k
-    head_k = pid_bh % heads_k
+    head_k = pid_bh % heads_k + head_base // group_drive  # chunks hold whole groups
     q_start, len_q, k_start, len_k = _sequence_span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, USE_VARLEN)
     seq64 = seq.to(tl.int64)
 
@@ -365,15 +371,16 @@ def _kl_bwd_kv_kernel(
     out_scale1 = scale1 * LN2_K * g_scale  # the softmax scales in natural units, times g's norm
     out_scale2 = scale2 * LN2_K * g_scale
     for member in range(0, group_drive):
-        head = head_k * group_drive + member
+        head = head_k * group_drive + member  # of all heads
+        local = head - head_base  # of the chunk's accumulators
         p_k1 = K1 + seq64 * stride_k1b + (head // group1) * stride_k1h + o_keys[:, None] * stride_k1n + o_d1[None, :]
         p_k2 = K2 + seq64 * stride_k2b + (head // group2) * stride_k2h + o_keys[:, None] * stride_k2n + o_d2[None, :]
         b_k1 = tl.load(p_k1, mask=m_j[:, None] & m_d1[None, :], other=0.0)  # [BK, BD1]
         b_k2 = tl.load(p_k2, mask=m_j[:, None] & m_d2[None, :], other=0.0)  # [BK, BD2]
         p_q1 = Q1 + seq64 * stride_q1b + head * stride_q1h + o_d1[None, :]
         p_q2 = Q2 + seq64 * stride_q2b + head * stride_q2h + o_d2[None, :]
-        p_dq1 = DQ1 + seq64 * stride_a1b + head * stride_a1h + o_d1[None, :]
-        p_dq2 = DQ2 + seq64 * stride_a2b + head * stride_a2h + o_d2[None, :]
+        p_dq1 = DQ1 + seq64 * stride_a1b + local * stride_a1h + o_d1[None, :]
+        p_dq2 = DQ2 + seq64 * stride_a2b + local * stride_a2h + o_d2[None, :]
         o_stat_h = seq64 * stride_sb + head * stride_sh
         o_grad_h = seq64 * stride_gb + head * stride_gh
         o_count = seq * stride_cs + head * stride_ch + pid_k * stride_ck
@@ -388,7 +395,7 @@ def _kl_bwd_kv_kernel(
                 p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
                 stride_q1n, stride_q2n, stride_a1n, stride_a2n, stride_sn, stride_gn,
                 window_left, window_right, m_d1, m_d2, scale1, scale2, out_scale1, out_scale2,
-                DQ1_DESC, DQ2_DESC, dq_row, head * dim1, head * dim2,
+                DQ1_DESC, DQ2_DESC, dq_row, local * dim1, local * dim2,
                 BLOCK_Q, False, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2, FOLD, DQ_TMA,
             )
         for visit in range(n_full, n_visit):
@@ -399,7 +406,7 @@ def _kl_bwd_kv_kernel(
                 p_q1, p_q2, p_dq1, p_dq2, LSE1, LSE2, EXPECT, GRAD, o_stat_h, o_grad_h,
                 stride_q1n, stride_q2n, stride_a1n, stride_a2n, stride_sn, stride_gn,
                 window_left, window_right, m_d1, m_d2, scale1, scale2, out_scale1, out_scale2,
-                DQ1_DESC, DQ2_DESC, dq_row, head * dim1, head * dim2,
+                DQ1_DESC, DQ2_DESC, dq_row, local * dim1, local * dim2,
                 BLOCK_Q, True, EVEN_D, IEEE, NEED_DK1, NEED_DK2, ATOMIC_DQ1, ATOMIC_DQ2, FOLD, DQ_TMA,
             )
 
@@ -418,12 +425,36 @@ def bwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, 
     if interpreting():
         return block_q, 4, 1
     block_d1, block_d2 = dim_blocks(problem)
-    big = max(block_d1, block_d2) > 128
+    block_d = max(block_d1, block_d2)
+    big = block_d > 128
     rows = min(block_q, 32 if big else 64)
     row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
     stages = pipeline_stages(block_k * row_bytes, rows * row_bytes)
-    rows, warps, stages = TUNE.get("dq", (rows, 8 if big else 4, stages))
+    warps = 8 if big else 4
+    if problem.dtype.itemsize == 2 and 64 < block_d <= 128:
+        # 128-row programs of 8 warps, 2 stages: both sides' gradients at D=128 1.38x -> 1.19x SDPA
+        # non-causal, 1.45x -> 1.21x causal (H200, tune_h200_round9.jsonl; 64 rows, 4 warps before)
+        rows, warps, stages = min(block_q, 128), 8, min(2, pipeline_stages(block_k * row_bytes, 128 * row_bytes))
+    rows, warps, stages = TUNE.get("dq", (rows, warps, stages))
     return min(rows, block_q), warps, stages
+
+
+def dq_tiles(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
+    """(block_q, block_k) of the query-major dq kernel's schedule (both sides' gradients, or
+    deterministic): its own at 16-bit head dims 65-128, else the key-major kernel's; within the
+    mask blocks."""
+    if interpreting():
+        return block_q, block_k
+    if "dq_tiles" in TUNE:
+        dq_q, dq_k = TUNE["dq_tiles"]
+    elif problem.dtype.itemsize == 2 and 64 < max(dim_blocks(problem)) <= 128:
+        dq_q, dq_k = 128, 64  # with bwd_config's 128-row programs (measured with both sides' gradients)
+    else:
+        return block_q, block_k
+    for mask in (problem.mask1, problem.mask2):
+        if mask is not None:
+            dq_q, dq_k = min(dq_q, mask.block_q), min(dq_k, mask.block_k)
+    return dq_q, dq_k
 
 
 def _two_programs_per_sm(problem: Problem, block_d: int) -> bool:
@@ -480,7 +511,8 @@ def arithmetic(problem: Problem) -> dict:
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
 #: "kv_tiles" / "kv_tiles2" -> (block_q, block_k) for one side's / both sides' gradients,
-#: "kv" -> (warps, stages), "fold" -> bool, "dq_tma" -> bool, "atomic2" -> bool (both sides' gradients
+#: "kv" -> (warps, stages), "fold" -> bool, "dq_tma" -> bool, "dq_tiles" -> (block_q, block_k) of the dq
+#: kernel, "atomic2" -> bool (both sides' gradients
 #: through the atomic key-major pass instead of the two kernels).
 TUNE: dict = {}
 
@@ -604,6 +636,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         # G_PEAK (the products are linear in it; |dS2| <= G_PEAK, |dS1| <= G_PEAK p |d - E|), and
         # the kernels multiply the factor back in float32 with the softmax scales. bfloat16 has
         # float32's range and skips this.
+        grad_rows = empty_rows_to_zero(grad_rows, lse1, varlen)  # before the peak is taken
         top = grad_rows.abs().amax()
         g_scale = torch.where(top > 0, top, torch.ones_like(top)) / G_PEAK
         grad_rows = grad_rows / g_scale
@@ -628,24 +661,26 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         dq1 = _grad_buffer(q1, varlen) if need_dq1 else None
         dq2 = _grad_buffer(q2, varlen) if need_dq2 else None
     if not atomic and (need_dq1 or need_dq2):
-        check_tiles(problem, block_q, block_k)
-        rows, num_warps, num_stages = bwd_config(problem, block_q, block_k)
-        sub_tiles = block_q // rows
-        q_programs = num_q_tiles(problem, block_q) * sub_tiles
+        dq_q, dq_k = dq_tiles(problem, block_q, block_k)
+        dq_schedule = schedule if (dq_q, dq_k) == (block_q, block_k) else get_schedule(problem, dq_q, dq_k)
+        check_tiles(problem, dq_q, dq_k)
+        rows, num_warps, num_stages = bwd_config(problem, dq_q, dq_k)
+        sub_tiles = dq_q // rows
+        q_programs = num_q_tiles(problem, dq_q) * sub_tiles
         grid = (q_programs * problem.batch * problem.heads,)
         args = (
             q1, k1, q2, k2, lse1, lse2, expect, grad_rows, g_scale,
             placeholder if dq1 is None else dq1, placeholder if dq2 is None else dq2,
-            cu_q, cu_k, schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial,
+            cu_q, cu_k, dq_schedule.kv_count, dq_schedule.kv_full, dq_schedule.kv_index, dq_schedule.kv_partial,
             *head_strides(q1, varlen), *head_strides(k1, varlen),
             *head_strides(q2, varlen), *head_strides(k2, varlen),
             *row_strides(grad_rows, varlen), *stat_strides(lse1, varlen),
             *out_strides(dq1), *out_strides(dq2),
-            *broadcast_strides(schedule.kv_count), *broadcast_strides(schedule.kv_index)[:3],
+            *broadcast_strides(dq_schedule.kv_count), *broadcast_strides(dq_schedule.kv_index)[:3],
             problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
             scale1, scale2, left, right, problem.dim1, problem.dim2, q_programs,
         )
-        constexprs = dict(SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, NEED_DQ1=need_dq1, NEED_DQ2=need_dq2,
+        constexprs = dict(SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=dq_k, NEED_DQ1=need_dq1, NEED_DQ2=need_dq2,
                           **flags)
         launch(_kl_bwd_dq_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
                **constexprs)
@@ -676,36 +711,28 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             dq1 = torch.empty_like(q1) if need_dq1 else None
             dq2 = torch.empty_like(q2) if need_dq2 else None
     dq_descs = dq_descriptors(problem, accum, block_q) if atomic else None
+    # every launch (chunk) takes the whole tensors and its first head, so only these are computed once
+    strides = (
+        *head_strides(q1, varlen), *head_strides(k1, varlen), *head_strides(q2, varlen), *head_strides(k2, varlen),
+        *row_strides(grad_rows, varlen), *stat_strides(lse1, varlen), *out_strides(dk1), *out_strides(dk2),
+    )
+    table_strides = (*broadcast_strides(tables[0]), *broadcast_strides(tables[2])[:3])
     for chunk in range(chunks):
         lo, hi = chunk * per_chunk, (chunk + 1) * per_chunk
-        if chunks > 1:
-            if chunk:
-                for a in accum:
-                    if a is not None:
-                        a.zero_()
-            c_q1, c_q2, c_grad = (_heads(t, varlen, lo, hi) for t in (q1, q2, grad_rows))
-            c_k1, c_dk1 = (_heads(t, varlen, lo // group1, hi // group1) for t in (k1, dk1))
-            c_k2, c_dk2 = (_heads(t, varlen, lo // group2, hi // group2) for t in (k2, dk2))
-            c_lse1, c_lse2, c_expect = (_heads(t, varlen, lo, hi, stat=True) for t in (lse1, lse2, expect))
-            c_tables = tuple(t if t.shape[1] == 1 else t[:, lo:hi] for t in tables)
-        else:
-            c_q1, c_q2, c_grad, c_k1, c_dk1, c_k2, c_dk2 = q1, q2, grad_rows, k1, dk1, k2, dk2
-            c_lse1, c_lse2, c_expect, c_tables = lse1, lse2, expect, tables
+        if chunk:
+            for a in accum:
+                if a is not None:
+                    a.zero_()
         for group_drive, on1, on2 in launches:
             atomic1, atomic2 = on1 and atomic and need_dq1, on2 and atomic and need_dq2
             grid = (k_programs * problem.batch * (per_chunk // group_drive),)
             args = (
-                c_q1, c_k1, c_q2, c_k2, c_lse1, c_lse2, c_expect, c_grad, g_scale,
-                c_dk1 if on1 and need_dk1 else placeholder, c_dk2 if on2 and need_dk2 else placeholder,
+                q1, k1, q2, k2, lse1, lse2, expect, grad_rows, g_scale,
+                dk1 if on1 and need_dk1 else placeholder, dk2 if on2 and need_dk2 else placeholder,
                 accum[0] if atomic1 else placeholder, accum[1] if atomic2 else placeholder,
                 *((d if d is not None else placeholder) for d in (dq_descs or (None, None))),
-                cu_q, cu_k, *c_tables,
-                *head_strides(c_q1, varlen), *head_strides(c_k1, varlen),
-                *head_strides(c_q2, varlen), *head_strides(c_k2, varlen),
-                *row_strides(c_grad, varlen), *stat_strides(c_lse1, varlen),
-                *out_strides(c_dk1), *out_strides(c_dk2), *out_strides(accum[0]), *out_strides(accum[1]),
-                *broadcast_strides(c_tables[0]), *broadcast_strides(c_tables[2])[:3],
-                problem.seqlen_q, problem.seqlen_k, per_chunk, group1, group2, group_drive,
+                cu_q, cu_k, *tables, *strides, *out_strides(accum[0]), *out_strides(accum[1]), *table_strides,
+                problem.seqlen_q, problem.seqlen_k, per_chunk, group1, group2, group_drive, lo,
                 scale1, scale2, left, right, problem.dim1, problem.dim2, k_programs,
             )
             constexprs = dict(
