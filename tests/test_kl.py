@@ -196,6 +196,28 @@ def test_fully_masked_rows_are_exactly_zero(backend):
     assert all(torch.isfinite(t.grad).all() for t in inputs)
 
 
+def test_empty_rows_ignore_their_upstream_gradient(backend):
+    """A row whose side-1 support is empty has KL 0 whatever the inputs: its upstream gradient, NaN
+    or inf included, reaches no input gradient (the Triton kernels drop it as they load the row,
+    the other backends' front end masks it first). Both backward paths, float32 and float16 (whose
+    upstream gradient is rescaled by its peak: taken over the non-empty rows only)."""
+    case = Case(2, 96, 40, 2, (1, 2), (32, 16), causal=True)
+    empty = case.seqlen_q - case.seqlen_k
+    for dtype in (torch.float32, torch.float16):
+        for grads in ((True, True, True, True), (False, False, True, True)):
+            inputs = case.inputs(dtype, grads)
+            wanted = [t for t in inputs if t.requires_grad]
+            out = streamkl.kl(*inputs, reduction="none", backend=backend, causal=True)
+            upstream = torch.rand_like(out) + 0.5
+            clean = torch.autograd.grad(out, wanted, upstream, retain_graph=True)
+            upstream[:, :empty, 0] = float("nan")
+            upstream[:, : empty // 2, 1] = float("inf")
+            upstream[:, empty // 2 : empty, 1] = 1e30
+            dirty = torch.autograd.grad(out, wanted, upstream)
+            for a, b in zip(clean, dirty):
+                assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 def test_strided_inputs_need_no_copy(backend):
     """(B, H, N, D) tensors transposed to (B, N, H, D) are valid inputs and give the same result."""
     batch, n, heads, dim = 1, 70, 4, 32
