@@ -3,6 +3,7 @@ warp / pipeline settings against SDPA flash at the issue #5 shapes, plus a corre
 every configuration against the float64 reference on a small causal GQA problem.
 
     python benchmarks/tune_h200.py --out results_dir      # one GPU call, ~3-5 min
+    python benchmarks/tune_h200.py --section gluon        # the experimental Gluon forward against the Triton one
 
 Writes tune.json (every timing) and prints one line per measurement. Timings: triton.testing.do_bench
 (L2 flushed before each call), median ms. Backward = fwd+bwd - fwd.
@@ -216,6 +217,28 @@ def main():
         xs = inputs(n, h, d, grads=(False, False, True, True))
         tb_ = bench(kl_fn(xs, True), grads=xs[2:])
         record(kind="sparse", sparsity="nomask", fwd=t, fwdbwd_student=tb_)
+    if "gluon" in sections:
+        # the experimental warp-specialized Gluon forward against the Triton one (same problem,
+        # rows compared), then timed; an error is recorded, not raised
+        from streamkl.backends.triton import gluon_forward
+
+        for d in (128, 64):
+            for causal in (False, True):
+                x = inputs(n, h, d)
+                try:
+                    gluon_forward.USE_GLUON = False
+                    ref = streamkl.kl(*x, backend="triton", causal=causal, reduction="none")
+                    t_triton = bench(kl_fn(x, causal=causal))
+                    gluon_forward.USE_GLUON = True
+                    out = streamkl.kl(*x, backend="triton", causal=causal, reduction="none")
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    t = bench(kl_fn(x, causal=causal))
+                    record(kind="gluon", d=d, causal=causal, ms=t, triton_ms=t_triton, vs_sdpa=t / sdpa[d, causal][0],
+                           triton_vs_sdpa=t_triton / sdpa[d, causal][0], rel_err_vs_triton=err)
+                except Exception as exc:  # noqa: BLE001
+                    record(kind="gluon", d=d, causal=causal, error=repr(exc)[:600])
+                finally:
+                    gluon_forward.USE_GLUON = False
     if "chunks" in sections:
         # student backward, D=128, by length: each key-major configuration with the atomic pass in
         # one launch or two head chunks (the chunks halve its float32 dq buffer), and the

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from streamkl.backends.base import finalize_rows, new_outputs, write_tail_rows
+from streamkl.backends.triton import gluon_forward
 from streamkl.backends.triton.common import (
     LN2,
     LN2_K,
@@ -350,6 +351,8 @@ def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_
 
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     """Launch the forward: (kl_rows, lse1, lse2, expect) as backends/base.py documents."""
+    if gluon_forward.enabled() and gluon_forward.applies(problem, q1, k1, q2, k2):  # experimental, off
+        return gluon_forward.kl_forward(problem, q1, k1, q2, k2)
     varlen = problem.is_varlen
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     # every row of a sequence is written by its program; varlen rows past cu_seqlens[-1] are not

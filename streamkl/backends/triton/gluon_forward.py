@@ -1,0 +1,327 @@
+"""EXPERIMENTAL Hopper (sm_90) forward in Gluon, Triton's explicit-layout dialect: the FA3 design,
+warp-specialized. NOT used unless asked for (`STREAMKL_GLUON=1` or `USE_GLUON = True`), and NOT yet
+run on a GPU: written and compiled for sm_90a on a CPU-only machine (fifth session, no device time
+left); the next GPU session checks it against the Triton kernel and times it (`tests/
+test_triton_gpu.py::test_gluon_forward_matches_triton`, `benchmarks/tune_h200.py --section gluon`).
+
+Why: the plain Triton forward (forward.py) runs its products and its softmax in the same warps, one
+after the other (Triton 3.6 cannot warp-specialize this loop on Hopper: `tl.range(...,
+warp_specialize=True)` crashes the compiler or is silently ignored there), and stays at ~0.92x the
+SDPA forward; the issue's target is 0.8x.
+
+One program = one (128-row query tile, sequence, head), three partitions:
+- a producer warp loads both sides' query tiles once, then streams the key tiles of both sides
+  through a ring of STAGES shared-memory slots with TMA (mbarriers: `ready` when a slot's bytes
+  have landed, `empty` when both consumers have read it);
+- two consumer warpgroups of 64 rows each issue the two products s1 = q1 k1^T, s2 = q2 k2^T as
+  asynchronous wgmma, then keep the SPEC's five running statistics (the Triton kernel's arithmetic:
+  log2 units, scales folded on full tiles). While one warpgroup runs its exponentials, the other's
+  products occupy the tensor cores.
+
+Scope: dense keys (no block masks, no varlen, no window), causal or not (with Nk >= Nq), 16-bit
+inputs, equal power-of-two head dims 64 or 128 on both sides, positive scales, Nq a multiple of
+128 and Nk of the key tile, contiguous [B, N, H, D] tensors (TMA: 16-byte aligned). `applies()`
+says whether a problem fits; anything else runs the Triton kernel. Every row then has a non-empty,
+covered support on both sides (row i sees at least key 0), so no structural flags are kept; a row
+whose scores are all -inf by value reads NaN, as in the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from streamkl.backends.base import new_outputs
+from streamkl.problem import Problem
+
+try:  # Gluon is experimental: present in triton 3.6, its API moves between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON_IMPORT_ERROR = None
+except Exception as exc:  # pragma: no cover - depends on the installed triton
+    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    import triton
+
+    if not triton.__version__.startswith("3.6."):  # pragma: no cover - the API this was written against
+        GLUON_IMPORT_ERROR = f"written against Gluon of triton 3.6, found triton {triton.__version__}"
+
+#: Use the Gluon kernel where it applies (also `STREAMKL_GLUON=1`). Off: not yet run on a GPU.
+USE_GLUON = False
+
+BLOCK_M = 128  # query rows a program: two consumer warpgroups of 64
+LN2 = 0.6931471805599453
+
+
+def enabled() -> bool:
+    return USE_GLUON or os.environ.get("STREAMKL_GLUON") == "1"
+
+
+def config(dim: int) -> tuple[int, int]:
+    """(key tile, ring stages): shared memory holds both query tiles and STAGES slots of both key
+    tiles (D=128: 64 KB + 2 x 64 KB; D=64: 32 KB + 3 x 32 KB), under the H200's 227 KB."""
+    return (128, 2) if dim > 64 else (128, 3)
+
+
+def applies(problem: Problem, q1, k1, q2, k2) -> bool:
+    """Whether the Gluon kernel serves this problem (the module docstring's scope), on this GPU."""
+    if GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda":
+        return False
+    if problem.is_varlen or problem.mask1 is not None or problem.mask2 is not None:
+        return False
+    if problem.window != (-1, -1) or problem.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128):
+        return False
+    if not (problem.scale1 > 0 and problem.scale2 > 0):
+        return False
+    block_n, _ = config(problem.dim1)
+    if problem.seqlen_q % BLOCK_M or problem.seqlen_k % block_n or problem.seqlen_q == 0:
+        return False
+    if problem.causal and problem.seqlen_k < problem.seqlen_q:
+        return False
+    for t in (q1, k1, q2, k2):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return False
+    from streamkl.backends.triton.common import capability, device_index
+
+    return capability(device_index(problem))[0] == 9
+
+
+if GLUON_IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _producer(q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                  q_bar, ready, empty, q_row, k_row, q1_col, q2_col, k1_col, k2_col, n_tiles,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: both query tiles once, then the key tiles of both sides through the ring."""
+        mbarrier.expect(q_bar, q1_desc.block_type.nbytes + q2_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q1_desc, [q_row, q1_col], q_bar, q1_smem)
+        tma.async_copy_global_to_shared(q2_desc, [q_row, q2_col], q_bar, q2_smem)
+        for i in range(n_tiles):
+            slot = i % STAGES
+            # a slot's first use waits for nothing; its n-th reuse for the consumers' n-th release
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            mbarrier.expect(ready.index(slot), k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k1_desc, [k_row + i * BLOCK_N, k1_col], ready.index(slot),
+                                            k1_smem.index(slot))
+            tma.async_copy_global_to_shared(k2_desc, [k_row + i * BLOCK_N, k2_col], ready.index(slot),
+                                            k2_smem.index(slot))
+
+    @gluon.jit
+    def _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+                  KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
+                  row0, offset, n_tiles, scale1, scale2,
+                  WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """One warpgroup, 64 query rows (row0 + 64 * WG ...): the products and the online statistics
+        of every key tile, then the rows' (KL, lse1, lse2, E)."""
+        HALF: gl.constexpr = 64
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+        first = row0 + WG * HALF  # sequence-local index of this warpgroup's first row
+        o_i = first + gl.arange(0, HALF, layout=row_layout)
+        m1 = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+        m2 = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+        l1 = gl.zeros([HALF], gl.float32, row_layout)
+        l2 = gl.zeros([HALF], gl.float32, row_layout)
+        acc = gl.zeros([HALF], gl.float32, row_layout)
+        zero = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
+        # causal: key tiles up to n_full allow every key to every row of this warpgroup
+        n_full = n_tiles
+        if CAUSAL:
+            n_full = gl.minimum((first + offset + 1) // BLOCK_N, n_tiles)
+        a1 = q1_smem.slice(WG * HALF, HALF)
+        a2 = q2_smem.slice(WG * HALF, HALF)
+        mbarrier.wait(q_bar, 0)
+        for i in range(n_tiles):
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            t1 = warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+            t2 = warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+            r1, r2 = warpgroup_mma_wait(0, deps=[t1, t2])
+            mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
+            if i < n_full:
+                # full tile, scales folded: the maxima on the raw products, one FMA per exponent argument
+                m1_new = gl.maximum(m1, gl.max(r1, axis=1) * scale1)
+                m2_new = gl.maximum(m2, gl.max(r2, axis=1) * scale2)
+                t1s = r1 * scale1 - m1_new[:, None]
+                t2s = r2 * scale2 - m2_new[:, None]
+                e1 = gl.exp2(t1s)
+                alpha1 = gl.exp2(m1 - m1_new)
+                sum1 = gl.sum(e1, axis=1)
+                l1 = l1 * alpha1 + sum1
+                acc = acc * alpha1 + (gl.sum(e1 * (t1s - t2s), axis=1) + (m1_new - m2_new) * sum1)
+                l2 = l2 * gl.exp2(m2 - m2_new) + gl.sum(gl.exp2(t2s), axis=1)
+                m1 = m1_new
+                m2 = m2_new
+            else:
+                # the causal edge: key j is allowed to row i when j <= i + offset (both sides)
+                o_j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                allowed = o_j[None, :] <= (o_i + offset)[:, None]
+                s1 = gl.where(allowed, r1 * scale1, float("-inf"))
+                s2 = gl.where(allowed, r2 * scale2, float("-inf"))
+                diff = gl.where(allowed, s1 - s2, 0.0)
+                m1_new = gl.maximum(m1, gl.max(s1, axis=1))
+                m2_new = gl.maximum(m2, gl.max(s2, axis=1))
+                shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
+                shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
+                alpha1 = gl.exp2(m1 - shift1)
+                e1 = gl.exp2(s1 - shift1[:, None])
+                l1 = l1 * alpha1 + gl.sum(e1, axis=1)
+                acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
+                l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
+                m1 = m1_new
+                m2 = m2_new
+        # finalize (SPEC 4) as the Triton kernel does, natural logs; no empty or uncovered rows here
+        lse1 = (m1 + gl.log2(l1)) * 0.6931471805599453
+        lse2 = (m2 + gl.log2(l2)) * 0.6931471805599453
+        expect = acc / l1 * 0.6931471805599453
+        kl = expect - ((m1 - m2) + gl.log2(l1) - gl.log2(l2)) * 0.6931471805599453
+        kl = gl.where((l1 == 0.0) | (l2 == 0.0), float("nan"), kl)
+        rows = o_i.to(gl.int64)
+        gl.store(KL + o_kl + rows * stride_kln, kl)
+        gl.store(LSE1 + o_stat + rows * stride_sn, lse1)
+        gl.store(LSE2 + o_stat + rows * stride_sn, lse2)
+        gl.store(EXPECT + o_stat + rows * stride_sn, expect)
+
+    @gluon.jit
+    def _consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+                    KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
+                    row0, offset, n_tiles, scale1, scale2,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+                  KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
+                  row0, offset, n_tiles, scale1, scale2, 1, BLOCK_N, STAGES, CAUSAL)
+
+    @gluon.jit
+    def _kl_fwd_gluon_kernel(
+        q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [128, D] / [BLOCK_N, D]
+        KL, LSE1, LSE2, EXPECT,
+        stride_klb, stride_kln, stride_klh,
+        stride_sb, stride_sh, stride_sn,
+        seqlen_q, seqlen_k, heads, group1, group2,
+        scale1, scale2,  # scale * log2(e), both > 0
+        q_programs,
+        D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+    ):
+        # one flat grid axis, query tiles fastest, the last (longest under causality) first
+        pid_bh = gl.program_id(0) // q_programs
+        pid_q = q_programs - 1 - (gl.program_id(0) - pid_bh * q_programs)
+        seq = pid_bh // heads
+        head = pid_bh % heads
+        row0 = pid_q * 128
+        offset = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + offset
+        n_tiles = seqlen_k // BLOCK_N
+        if CAUSAL:
+            n_tiles = gl.minimum((row0 + 128 + offset + BLOCK_N - 1) // BLOCK_N, n_tiles)
+
+        q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [128, D1], q1_desc.layout)
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [128, D2], q2_desc.layout)
+        k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [STAGES, BLOCK_N, D1], k1_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, D2], k2_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # released by both consumer warpgroups
+        fence_async_shared()
+
+        seq64 = seq.to(gl.int64)
+        o_kl = seq64 * stride_klb + head * stride_klh
+        o_stat = seq64 * stride_sb + head * stride_sh
+        q_row = seq * seqlen_q + row0
+        k_row = seq * seqlen_k
+        gl.warp_specialize(
+            [
+                (_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+                             KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
+                             row0, offset, n_tiles, scale1, scale2, 0, BLOCK_N, STAGES, CAUSAL)),
+                (_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+                               KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
+                               row0, offset, n_tiles, scale1, scale2, BLOCK_N, STAGES, CAUSAL)),
+                (_producer, (q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                             q_bar, ready, empty, q_row, k_row, head * D1, head * D2,
+                             (head // group1) * D1, (head // group2) * D2, n_tiles, BLOCK_N, STAGES)),
+            ],
+            [4, 1],
+            [232, 40],
+        )
+
+
+def descriptors(problem: Problem, q1, k1, q2, k2):
+    """Host TMA descriptors of the four inputs as 2-D [tokens, heads * dim]."""
+    block_n, _ = config(problem.dim1)
+    gl_dtype = gl.bfloat16 if problem.dtype == torch.bfloat16 else gl.float16
+    out = []
+    for t, rows in ((q1, BLOCK_M), (k1, block_n), (q2, BLOCK_M), (k2, block_n)):
+        dim = t.shape[-1]
+        flat = t.view(-1, t.shape[-2] * dim)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype)
+        out.append(TensorDescriptor.from_tensor(flat, [rows, dim], layout))
+    return out
+
+
+def kl_forward(problem: Problem, q1, k1, q2, k2):
+    """(kl_rows, lse1, lse2, expect) through the Gluon kernel; `applies()` must hold."""
+    from streamkl.backends.triton.common import group_sizes, log2_scales, row_strides, stat_strides
+
+    kl_rows, lse1, lse2, expect = new_outputs(problem)
+    block_n, stages = config(problem.dim1)
+    group1, group2 = group_sizes(problem)
+    scale1, scale2 = log2_scales(problem)
+    q_programs = problem.seqlen_q // BLOCK_M
+    grid = (q_programs * problem.batch * problem.heads,)
+    _kl_fwd_gluon_kernel[grid](
+        *descriptors(problem, q1, k1, q2, k2),
+        kl_rows, lse1, lse2, expect,
+        *row_strides(kl_rows, False), *stat_strides(lse1, False),
+        problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
+        scale1, scale2, q_programs,
+        D1=problem.dim1, D2=problem.dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=problem.causal,
+        num_warps=4,
+    )
+    return kl_rows, lse1, lse2, expect
+
+
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False):
+    """Compile the kernel for sm_90a without a GPU (CI: the code stays valid Gluon for this triton;
+    ptxas included). Returns the compiled kernel (its .asm holds ptx and cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    block_n, stages = config(dim)
+    t = torch.empty(2 * BLOCK_M, 4 * dim, dtype=dtype)
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    descs = [
+        TensorDescriptor.from_tensor(t, [rows, dim], gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype))
+        for rows in (BLOCK_M, block_n, BLOCK_M, block_n)
+    ]
+    names = ["q1_desc", "k1_desc", "q2_desc", "k2_desc"]
+    signature = {name: mangle_type(d) for name, d in zip(names, descs)}
+    signature.update({name: "*fp32" for name in ("KL", "LSE1", "LSE2", "EXPECT")})
+    for name in ("stride_klb", "stride_kln", "stride_klh", "stride_sb", "stride_sh", "stride_sn", "seqlen_q",
+                 "seqlen_k", "heads", "group1", "group2", "q_programs"):
+        signature[name] = "i32"
+    signature.update(scale1="fp32", scale2="fp32")
+    constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal)
+    signature.update({name: "constexpr" for name in constexprs})
+    positions = {(list(signature).index(name),): value for name, value in constexprs.items()}
+    source = GluonASTSource(_kl_fwd_gluon_kernel, signature, positions)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
