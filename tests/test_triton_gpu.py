@@ -503,11 +503,13 @@ def _gluon():
 
 
 @pytest.mark.parametrize(
-    "config", [(torch.bfloat16, 128, False), (torch.float16, 64, True)], ids=["bf16-D128", "fp16-D64-causal"]
+    "config",
+    [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True)],
+    ids=["bf16-D128", "fp16-D64-causal-overlap"],
 )
 def test_gluon_forward_compiles_for_hopper(config):
     """The experimental warp-specialized Gluon forward (off by default) stays valid Gluon for the
-    installed triton: compiled for sm_90a on any machine (no GPU needed), with asynchronous wgmma,
+    installed triton (both variants): compiled for sm_90a on any machine (no GPU needed), with asynchronous wgmma,
     TMA bulk loads and register reallocation between its partitions in the PTX."""
     gluon_forward = _gluon()
     kernel = gluon_forward.compile_for_hopper(*config)
@@ -518,7 +520,8 @@ def test_gluon_forward_compiles_for_hopper(config):
 
 
 @gpu
-def test_gluon_forward_matches_reference(monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_gluon_forward_matches_reference(overlap, monkeypatch):
     """The Gluon forward where it applies (dense, causal or not, GQA, Nk >= Nq; D 64 / 128; 16-bit)
     against the float64 reference, the backward still the Triton one; problems outside its scope
     fall back to the Triton kernel. NOT yet run on a GPU when written (fifth session)."""
@@ -526,6 +529,7 @@ def test_gluon_forward_matches_reference(monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
     monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    monkeypatch.setattr(gluon_forward, "OVERLAP", overlap)
     calls = []
     original = gluon_forward.kl_forward
     monkeypatch.setattr(gluon_forward, "kl_forward", lambda *a: calls.append(1) or original(*a))
@@ -550,5 +554,6 @@ def test_gluon_forward_matches_reference(monkeypatch):
     calls.clear()
     x = make_inputs((1, 200), (1, 200), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE)  # 200: not a multiple
     check_against_reference(x, "triton", causal=True)
-    check_against_reference(x[:2] + x[:2], "triton", window=(64, 0))
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE)
+    check_against_reference(x, "triton", window=(64, 0))  # a window: outside the kernel's scope
     assert not calls

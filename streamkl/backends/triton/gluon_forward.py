@@ -67,9 +67,20 @@ def enabled() -> bool:
     return USE_GLUON or os.environ.get("STREAMKL_GLUON") == "1"
 
 
-def config(dim: int) -> tuple[int, int]:
+#: The variant: False, each warpgroup waits for its tile's products before the statistics (128-key
+#: tiles; the two warpgroups overlap each other); True, it issues the next tile's products first
+#: and takes this tile's statistics while they run (FA3's intra-warpgroup overlap; 64-key tiles,
+#: whose two tiles in flight fit the registers).
+OVERLAP = False
+
+
+def config(dim: int, overlap: bool | None = None) -> tuple[int, int]:
     """(key tile, ring stages): shared memory holds both query tiles and STAGES slots of both key
-    tiles (D=128: 64 KB + 2 x 64 KB; D=64: 32 KB + 3 x 32 KB), under the H200's 227 KB."""
+    tiles (D=128: 64 KB + 2 x 64 KB, or 4 x 32 KB with 64-key tiles; D=64: 32 KB + 3 x 32 KB, or
+    6 x 16 KB), under the H200's 227 KB."""
+    overlap = OVERLAP if overlap is None else overlap
+    if overlap:
+        return (64, 4) if dim > 64 else (64, 6)
     return (128, 2) if dim > 64 else (128, 3)
 
 
@@ -119,10 +130,46 @@ if GLUON_IMPORT_ERROR is None:
                                             k2_smem.index(slot))
 
     @gluon.jit
+    def _tile_stats(r1, r2, tile, n_full, o_i, offset, scale1, scale2, m1, m2, l1, l2, acc,
+                    BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+        """The five running statistics after one key tile's raw products r1, r2 (the Triton
+        kernel's arithmetic, log2 units): scales folded on full tiles, the causal edge masked."""
+        if tile < n_full:
+            # full tile, scales folded: the maxima on the raw products, one FMA per exponent argument
+            m1_new = gl.maximum(m1, gl.max(r1, axis=1) * scale1)
+            m2_new = gl.maximum(m2, gl.max(r2, axis=1) * scale2)
+            t1s = r1 * scale1 - m1_new[:, None]
+            t2s = r2 * scale2 - m2_new[:, None]
+            e1 = gl.exp2(t1s)
+            alpha1 = gl.exp2(m1 - m1_new)
+            sum1 = gl.sum(e1, axis=1)
+            l1 = l1 * alpha1 + sum1
+            acc = acc * alpha1 + (gl.sum(e1 * (t1s - t2s), axis=1) + (m1_new - m2_new) * sum1)
+            l2 = l2 * gl.exp2(m2 - m2_new) + gl.sum(gl.exp2(t2s), axis=1)
+        else:
+            # the causal edge: key j is allowed to row i when j <= i + offset (both sides)
+            o_j = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+            allowed = o_j[None, :] <= (o_i + offset)[:, None]
+            s1 = gl.where(allowed, r1 * scale1, float("-inf"))
+            s2 = gl.where(allowed, r2 * scale2, float("-inf"))
+            diff = gl.where(allowed, s1 - s2, 0.0)
+            m1_new = gl.maximum(m1, gl.max(s1, axis=1))
+            m2_new = gl.maximum(m2, gl.max(s2, axis=1))
+            shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
+            shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
+            alpha1 = gl.exp2(m1 - shift1)
+            e1 = gl.exp2(s1 - shift1[:, None])
+            l1 = l1 * alpha1 + gl.sum(e1, axis=1)
+            acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
+            l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
+        return m1_new, m2_new, l1, l2, acc
+
+    @gluon.jit
     def _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                   row0, offset, n_tiles, scale1, scale2,
-                  WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                  WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  OVERLAP: gl.constexpr):
         """One warpgroup, 64 query rows (row0 + 64 * WG ...): the products and the online statistics
         of every key tile, then the rows' (KL, lse1, lse2, E)."""
         HALF: gl.constexpr = 64
@@ -145,45 +192,34 @@ if GLUON_IMPORT_ERROR is None:
         a1 = q1_smem.slice(WG * HALF, HALF)
         a2 = q2_smem.slice(WG * HALF, HALF)
         mbarrier.wait(q_bar, 0)
-        for i in range(n_tiles):
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            t1 = warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-            t2 = warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if OVERLAP:
+            # the next tile's products run on the tensor cores while this tile's statistics are taken
+            mbarrier.wait(ready.index(0), 0)
+            t1 = warpgroup_mma(a1, k1_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            t2 = warpgroup_mma(a2, k2_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
             r1, r2 = warpgroup_mma_wait(0, deps=[t1, t2])
-            mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
-            if i < n_full:
-                # full tile, scales folded: the maxima on the raw products, one FMA per exponent argument
-                m1_new = gl.maximum(m1, gl.max(r1, axis=1) * scale1)
-                m2_new = gl.maximum(m2, gl.max(r2, axis=1) * scale2)
-                t1s = r1 * scale1 - m1_new[:, None]
-                t2s = r2 * scale2 - m2_new[:, None]
-                e1 = gl.exp2(t1s)
-                alpha1 = gl.exp2(m1 - m1_new)
-                sum1 = gl.sum(e1, axis=1)
-                l1 = l1 * alpha1 + sum1
-                acc = acc * alpha1 + (gl.sum(e1 * (t1s - t2s), axis=1) + (m1_new - m2_new) * sum1)
-                l2 = l2 * gl.exp2(m2 - m2_new) + gl.sum(gl.exp2(t2s), axis=1)
-                m1 = m1_new
-                m2 = m2_new
-            else:
-                # the causal edge: key j is allowed to row i when j <= i + offset (both sides)
-                o_j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-                allowed = o_j[None, :] <= (o_i + offset)[:, None]
-                s1 = gl.where(allowed, r1 * scale1, float("-inf"))
-                s2 = gl.where(allowed, r2 * scale2, float("-inf"))
-                diff = gl.where(allowed, s1 - s2, 0.0)
-                m1_new = gl.maximum(m1, gl.max(s1, axis=1))
-                m2_new = gl.maximum(m2, gl.max(s2, axis=1))
-                shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
-                shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
-                alpha1 = gl.exp2(m1 - shift1)
-                e1 = gl.exp2(s1 - shift1[:, None])
-                l1 = l1 * alpha1 + gl.sum(e1, axis=1)
-                acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
-                l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
-                m1 = m1_new
-                m2 = m2_new
+            mbarrier.arrive(empty.index(0), count=1)
+            for i in range(1, n_tiles):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                t1 = warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                t2 = warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                m1, m2, l1, l2, acc = _tile_stats(r1, r2, i - 1, n_full, o_i, offset, scale1, scale2,
+                                                  m1, m2, l1, l2, acc, BLOCK_N, col_layout)
+                r1, r2 = warpgroup_mma_wait(0, deps=[t1, t2])
+                mbarrier.arrive(empty.index(slot), count=1)
+            m1, m2, l1, l2, acc = _tile_stats(r1, r2, n_tiles - 1, n_full, o_i, offset, scale1, scale2,
+                                              m1, m2, l1, l2, acc, BLOCK_N, col_layout)
+        else:
+            for i in range(n_tiles):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                t1 = warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                t2 = warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                r1, r2 = warpgroup_mma_wait(0, deps=[t1, t2])
+                mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
+                m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, scale1, scale2,
+                                                  m1, m2, l1, l2, acc, BLOCK_N, col_layout)
         # finalize (SPEC 4) as the Triton kernel does, natural logs; no empty or uncovered rows here
         lse1 = (m1 + gl.log2(l1)) * 0.6931471805599453
         lse2 = (m2 + gl.log2(l2)) * 0.6931471805599453
@@ -200,10 +236,10 @@ if GLUON_IMPORT_ERROR is None:
     def _consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                     KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                     row0, offset, n_tiles, scale1, scale2,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
         _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                  row0, offset, n_tiles, scale1, scale2, 1, BLOCK_N, STAGES, CAUSAL)
+                  row0, offset, n_tiles, scale1, scale2, 1, BLOCK_N, STAGES, CAUSAL, OVERLAP)
 
     @gluon.jit
     def _kl_fwd_gluon_kernel(
@@ -215,7 +251,7 @@ if GLUON_IMPORT_ERROR is None:
         scale1, scale2,  # scale * log2(e), both > 0
         q_programs,
         D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
+        CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
     ):
         # one flat grid axis, query tiles fastest, the last (longest under causality) first
         pid_bh = gl.program_id(0) // q_programs
@@ -250,10 +286,10 @@ if GLUON_IMPORT_ERROR is None:
             [
                 (_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                              KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                             row0, offset, n_tiles, scale1, scale2, 0, BLOCK_N, STAGES, CAUSAL)),
+                             row0, offset, n_tiles, scale1, scale2, 0, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
                 (_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                                KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                               row0, offset, n_tiles, scale1, scale2, BLOCK_N, STAGES, CAUSAL)),
+                               row0, offset, n_tiles, scale1, scale2, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
                 (_producer, (q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
                              q_bar, ready, empty, q_row, k_row, head * D1, head * D2,
                              (head // group1) * D1, (head // group2) * D2, n_tiles, BLOCK_N, STAGES)),
@@ -263,9 +299,8 @@ if GLUON_IMPORT_ERROR is None:
         )
 
 
-def descriptors(problem: Problem, q1, k1, q2, k2):
+def descriptors(problem: Problem, q1, k1, q2, k2, block_n: int):
     """Host TMA descriptors of the four inputs as 2-D [tokens, heads * dim]."""
-    block_n, _ = config(problem.dim1)
     gl_dtype = gl.bfloat16 if problem.dtype == torch.bfloat16 else gl.float16
     out = []
     for t, rows in ((q1, BLOCK_M), (k1, block_n), (q2, BLOCK_M), (k2, block_n)):
@@ -278,27 +313,28 @@ def descriptors(problem: Problem, q1, k1, q2, k2):
 
 def kl_forward(problem: Problem, q1, k1, q2, k2):
     """(kl_rows, lse1, lse2, expect) through the Gluon kernel; `applies()` must hold."""
+    overlap = OVERLAP
     from streamkl.backends.triton.common import group_sizes, log2_scales, row_strides, stat_strides
 
     kl_rows, lse1, lse2, expect = new_outputs(problem)
-    block_n, stages = config(problem.dim1)
+    block_n, stages = config(problem.dim1, overlap)
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
     q_programs = problem.seqlen_q // BLOCK_M
     grid = (q_programs * problem.batch * problem.heads,)
     _kl_fwd_gluon_kernel[grid](
-        *descriptors(problem, q1, k1, q2, k2),
+        *descriptors(problem, q1, k1, q2, k2, block_n),
         kl_rows, lse1, lse2, expect,
         *row_strides(kl_rows, False), *stat_strides(lse1, False),
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
         scale1, scale2, q_programs,
         D1=problem.dim1, D2=problem.dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=problem.causal,
-        num_warps=4,
+        OVERLAP=overlap, num_warps=4,
     )
     return kl_rows, lse1, lse2, expect
 
 
-def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False):
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, overlap: bool = False):
     """Compile the kernel for sm_90a without a GPU (CI: the code stays valid Gluon for this triton;
     ptxas included). Returns the compiled kernel (its .asm holds ptx and cubin)."""
     import triton
@@ -306,7 +342,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    block_n, stages = config(dim)
+    block_n, stages = config(dim, overlap)
     t = torch.empty(2 * BLOCK_M, 4 * dim, dtype=dtype)
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     descs = [
@@ -320,7 +356,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                  "seqlen_k", "heads", "group1", "group2", "q_programs"):
         signature[name] = "i32"
     signature.update(scale1="fp32", scale2="fp32")
-    constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal)
+    constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap)
     signature.update({name: "constexpr" for name in constexprs})
     positions = {(list(signature).index(name),): value for name, value in constexprs.items()}
     source = GluonASTSource(_kl_fwd_gluon_kernel, signature, positions)
