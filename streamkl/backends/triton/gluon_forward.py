@@ -18,6 +18,10 @@ One program = one (128-row query tile, sequence, head), three partitions:
   log2 units, scales folded on full tiles). While one warpgroup runs its exponentials, the other's
   products occupy the tensor cores.
 
+Gluon has no CPU interpreter, and it cannot compile in a process running TRITON_INTERPRET=1 (the
+standard functions it calls, gl.max and others, are interpreted ones there): CI compiles it for
+sm_90a in a subprocess (`compile_for_hopper`), the GPU tests run it.
+
 Scope: dense keys (no block masks, no varlen, no window), causal or not (with Nk >= Nq), 16-bit
 inputs, equal power-of-two head dims 64 or 128 on both sides, positive scales, Nq a multiple of
 128 and Nk of the key tile, contiguous [B, N, H, D] tensors (TMA: 16-byte aligned). `applies()`
