@@ -1,8 +1,11 @@
 """EXPERIMENTAL Hopper (sm_90) forward in Gluon, Triton's explicit-layout dialect: the FA3 design,
 warp-specialized. NOT used unless asked for (`STREAMKL_GLUON=1` or `USE_GLUON = True`), and NOT yet
 run on a GPU: written and compiled for sm_90a on a CPU-only machine (fifth session, no device time
-left); the next GPU session checks it against the Triton kernel and times it (`tests/
-test_triton_gpu.py::test_gluon_forward_matches_triton`, `benchmarks/tune_h200.py --section gluon`).
+left), and run on the CPU under triton-viz's Gluon simulator, where both variants agree with the
+float64 reference to 2e-7 on eight problems (`benchmarks/gluon_simulate.py`: the arithmetic, the
+indexing, the masks and the barrier protocol as that simulator models them; not the hardware's
+memory model). The next GPU session checks it (`tests/test_triton_gpu.py -k gluon`) and times it
+(`benchmarks/gpu_gluon_round.sh`).
 
 Why: the plain Triton forward (forward.py) runs its products and its softmax in the same warps, one
 after the other (Triton 3.6 cannot warp-specialize this loop on Hopper: `tl.range(...,
@@ -42,13 +45,8 @@ from streamkl.problem import Problem
 try:  # Gluon is experimental: present in triton 3.6, its API moves between releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     GLUON_IMPORT_ERROR = None
@@ -199,18 +197,18 @@ if GLUON_IMPORT_ERROR is None:
         if OVERLAP:
             # the next tile's products run on the tensor cores while this tile's statistics are taken
             mbarrier.wait(ready.index(0), 0)
-            t1 = warpgroup_mma(a1, k1_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            t2 = warpgroup_mma(a2, k2_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            r1, r2 = warpgroup_mma_wait(0, deps=[t1, t2])
+            t1 = hopper.warpgroup_mma(a1, k1_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            t2 = hopper.warpgroup_mma(a2, k2_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
             mbarrier.arrive(empty.index(0), count=1)
             for i in range(1, n_tiles):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                t1 = warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-                t2 = warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                t1 = hopper.warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                t2 = hopper.warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
                 m1, m2, l1, l2, acc = _tile_stats(r1, r2, i - 1, n_full, o_i, offset, scale1, scale2,
                                                   m1, m2, l1, l2, acc, BLOCK_N, col_layout)
-                r1, r2 = warpgroup_mma_wait(0, deps=[t1, t2])
+                r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                 mbarrier.arrive(empty.index(slot), count=1)
             m1, m2, l1, l2, acc = _tile_stats(r1, r2, n_tiles - 1, n_full, o_i, offset, scale1, scale2,
                                               m1, m2, l1, l2, acc, BLOCK_N, col_layout)
@@ -218,9 +216,9 @@ if GLUON_IMPORT_ERROR is None:
             for i in range(n_tiles):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                t1 = warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-                t2 = warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-                r1, r2 = warpgroup_mma_wait(0, deps=[t1, t2])
+                t1 = hopper.warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                t2 = hopper.warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+                r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                 mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
                 m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, scale1, scale2,
                                                   m1, m2, l1, l2, acc, BLOCK_N, col_layout)
@@ -279,7 +277,7 @@ if GLUON_IMPORT_ERROR is None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # released by both consumer warpgroups
-        fence_async_shared()
+        hopper.fence_async_shared()
 
         seq64 = seq.to(gl.int64)
         o_kl = seq64 * stride_klb + head * stride_klh

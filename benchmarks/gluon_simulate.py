@@ -1,0 +1,206 @@
+"""The experimental Gluon forward (streamkl/backends/triton/gluon_forward.py) run on the CPU, under the
+Gluon simulator of triton-viz (NumPy: partitions as threads, mbarriers, TMA, wgmma), against the
+float64 reference. A check of the kernel's arithmetic, indexing, masks and barrier protocol before
+GPU time is spent on it; not timing, not the hardware's memory model (async-proxy fences, register
+hazards of in-flight wgmma), and not part of CI (the simulator is not on PyPI in this form).
+
+Setup, once (a virtual environment that sees this one's torch and triton 3.6):
+
+    python -m venv --system-site-packages /tmp/tvenv
+    git clone https://github.com/Deep-Learning-Profiling-Tools/triton-viz /tmp/triton-viz   # tested at 203b0c7
+    /tmp/tvenv/bin/pip install --no-deps -e /tmp/triton-viz
+    /tmp/tvenv/bin/pip install ml_dtypes anytree z3-solver==4.15.3.0 pyarrow tqdm flask
+    /tmp/tvenv/bin/python benchmarks/gluon_simulate.py        # ~15 s: eight problems
+
+That simulator is written against a newer triton and misses a few things this kernel uses; the
+adjustments below are made at run time, in this process only (`_adjust_simulator`):
+- triton 3.6 lacks some AMD gfx1250 Gluon modules it imports: empty stand-ins;
+- the kernel's constexpr parameters are annotated `gl.constexpr` under `from __future__ import
+  annotations` (strings); nested @gluon.jit functions (partitions, helpers, gl.zeros) are called
+  as plain Python;
+- mbarriers: a phase completes after `count` arrivals (the simulator flipped the phase at every
+  arrival), and a partition blocked in a wait passes its turn to the others (its round-robin
+  scheduler deadlocked otherwise); numpy >= 2.3 scalar indexing (`streamkl` patches Triton's
+  interpreter the same way); `gl.static_range` over plain ints; broadcasts of results whose layout
+  the simulator dropped;
+- no tracing (a client without callbacks); float16 inputs (its tracer cannot read bfloat16).
+Fifth session (2026-11-30), CPU: all eight problems below agree with float64 to 2e-7 (KL) and
+5e-8 (lse), both variants, before the kernel ever ran on a GPU.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import streamkl.backends.triton.common  # noqa: E402,F401  (numpy >= 2.3 index patch, before the simulator imports it)
+
+
+def _adjust_simulator():
+    """The run-time adjustments listed in the module docstring; returns (triton_viz, quiet client)."""
+    import triton.experimental.gluon.language.amd.gfx1250 as gfx1250
+
+    for name in ("async_copy", "cluster", "mbarrier", "tdm"):
+        if not hasattr(gfx1250, name):
+            setattr(gfx1250, name, types.SimpleNamespace())
+    import triton.experimental.gluon.language as gluon_language
+    import triton.experimental.gluon.language._semantic as gluon_semantic
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime.jit import JITFunction
+
+    def static_range(start, end=None, step=1, **_):
+        start, end = getattr(start, "value", start), getattr(end, "value", end)
+        return range(start) if end is None else range(start, end, step)
+
+    gluon_language.static_range = static_range
+    JITFunction.__call__ = lambda self, *args, **kwargs: self.fn(
+        *args, **{k: v for k, v in kwargs.items() if k != "_semantic"}
+    )
+    broadcast = gluon_semantic.GluonSemantic.broadcast_impl_value
+
+    def broadcast_without_layouts(self, lhs, rhs):
+        if lhs.type.is_block() and rhs.type.is_block():
+            if not (hasattr(lhs.type, "layout") and hasattr(rhs.type, "layout")):
+                return TritonSemantic.broadcast_impl_value(self, lhs, rhs)
+        return broadcast(self, lhs, rhs)
+
+    gluon_semantic.GluonSemantic.broadcast_impl_value = broadcast_without_layouts
+
+    import triton_viz
+    import triton_viz.core.simulation.gluon as simulation
+    from triton_viz.clients.tracer.tracer import Tracer
+    from triton_viz.core.callbacks import OpCallbacks
+    from triton_viz.core.frontend import gluon as gluon_frontend
+
+    for module in (simulation,):
+        original = module._patch_lang_tensor
+
+        def patch_lang_tensor(tensor, scope, original=original):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        module._patch_lang_tensor = patch_lang_tensor
+
+    init = simulation.GluonInterpretedFunction.__init__
+
+    def function_init(self, fn, *args, **kwargs):
+        init(self, fn, *args, **kwargs)
+        self.constexprs |= {n for n, a in getattr(fn, "__annotations__", {}).items() if str(a).endswith("constexpr")}
+
+    simulation.GluonInterpretedFunction.__init__ = function_init
+
+    def barrier_init(self, barrier, *args):
+        state = self._barrier_state(barrier)
+        with state.condition:
+            state.count = max(1, simulation._to_int(args[0])) if args else 1
+            state.remaining = state.count
+            state.pending_bytes, state.phase, state.ready = 0, 1, True
+            state.condition.notify_all()
+
+    def barrier_signal(self, barrier):
+        state = self._barrier_state(barrier)
+        with state.condition:
+            state.remaining = getattr(state, "remaining", 1) - 1
+            if state.remaining > 0:
+                return
+            state.remaining = getattr(state, "count", 1)
+            state.pending_bytes, state.ready = 0, True
+            state.phase ^= 1
+            state.condition.notify_all()
+
+    def pass_turn(scheduler):
+        partition = getattr(scheduler._local, "partition_id", None)
+        with scheduler._condition:
+            if scheduler._active and scheduler._active[scheduler._turn_index] == partition:
+                scheduler._turn_index = (scheduler._turn_index + 1) % len(scheduler._active)
+                scheduler._condition.notify_all()
+
+    def barrier_wait(self, barrier, phase=None, pred=True, *args):
+        if not bool(simulation._to_python_scalar(pred)):
+            return None
+        parity = None if phase is None else (simulation._to_int(phase) & 1)
+        state = self._barrier_state(barrier)
+        while True:
+            with state.condition:
+                if state.ready and (parity is None or state.phase == parity):
+                    return None
+                state.condition.wait(timeout=0.001)
+            scheduler = getattr(gluon_frontend, "_WARP_SPECIALIZE_SCHEDULER", None)
+            if scheduler is not None:
+                pass_turn(scheduler)
+
+    simulation.Builder.create_mbarrier_init = barrier_init
+    simulation.Builder._signal_barrier = barrier_signal
+    simulation.Builder.create_mbarrier_wait = barrier_wait
+
+    class Quiet(Tracer):
+        def register_op_callback(self, op_type, *args, **kwargs):
+            return OpCallbacks()
+
+    return triton_viz, Quiet
+
+
+def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, overlap, dtype=torch.float16):
+    from streamkl.backends.triton import gluon_forward
+    from streamkl.backends.triton.common import log2_scales, row_strides, stat_strides
+    from streamkl.problem import build_problem
+    from streamkl.reference import reference_kl
+
+    g = torch.Generator().manual_seed(0)
+    q1, q2 = (torch.randn(batch, n_q, heads, dim, generator=g).to(dtype) for _ in range(2))
+    k1 = torch.randn(batch, n_k, heads_k[0], dim, generator=g).to(dtype)
+    k2 = torch.randn(batch, n_k, heads_k[1], dim, generator=g).to(dtype)
+    problem = build_problem(q1, k1, q2, k2, causal=causal)
+    block_n, stages = gluon_forward.config(dim, overlap)
+    kl_rows, lse1 = torch.empty(batch, n_q, heads), torch.empty(batch, heads, n_q)
+    lse2, expect = torch.empty_like(lse1), torch.empty_like(lse1)
+    scale1, scale2 = log2_scales(problem)
+    q_programs = n_q // gluon_forward.BLOCK_M
+    kernel = triton_viz.trace(client(), frontend="gluon")(gluon_forward._kl_fwd_gluon_kernel)
+    start = time.time()
+    kernel[(q_programs * batch * heads,)](
+        *gluon_forward.descriptors(problem, q1, k1, q2, k2, block_n), kl_rows, lse1, lse2, expect,
+        *row_strides(kl_rows, False), *stat_strides(lse1, False), n_q, n_k, heads,
+        heads // heads_k[0], heads // heads_k[1], scale1, scale2, q_programs,
+        D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap, num_warps=4,
+    )  # fmt: skip
+    ref, ref1, ref2 = reference_kl(*(t.double() for t in (q1, k1, q2, k2)), causal=causal)
+
+    def err(a, e):
+        return ((a.double() - e).norm() / e.norm()).item()
+
+    errors = err(kl_rows, ref), err(lse1, ref1), err(lse2, ref2)
+    print(f"B{batch} Nq{n_q} Nk{n_k} H{heads} Hk{heads_k[0]}x{heads_k[1]} D{dim} causal={causal} "
+          f"overlap={overlap}: relative L2 error kl {errors[0]:.1e}, lse1 {errors[1]:.1e}, lse2 {errors[2]:.1e} "
+          f"({time.time() - start:.1f} s)", flush=True)
+    return max(errors)
+
+
+def main():
+    faulthandler.dump_traceback_later(900, exit=True)  # a deadlocked protocol shows where each partition waits
+    triton_viz, client = _adjust_simulator()
+    cases = [  # (B, Nq, Nk, H, (Hk1, Hk2), D, causal, overlap): ring wrap-around, GQA, Nk > Nq, both variants
+        (1, 128, 128, 1, (1, 1), 64, False, False),
+        (1, 128, 128, 1, (1, 1), 64, True, False),
+        (1, 128, 128, 1, (1, 1), 64, True, True),
+        (2, 256, 384, 4, (2, 4), 128, False, False),
+        (2, 256, 384, 4, (2, 4), 128, True, False),
+        (2, 256, 384, 4, (4, 1), 128, True, True),
+        (1, 384, 512, 2, (1, 2), 64, True, True),
+        (1, 384, 512, 2, (2, 2), 64, False, True),
+    ]
+    worst = max(simulate(triton_viz, client, *case) for case in cases)
+    print(f"worst relative error {worst:.1e}")
+    sys.exit(0 if worst < 1e-5 else 1)
+
+
+if __name__ == "__main__":
+    main()
