@@ -509,21 +509,28 @@ def _gluon():
 
 @pytest.mark.parametrize(
     "config",
-    [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True)],
-    ids=["bf16-D128", "fp16-D64-causal-overlap"],
+    [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, 128, True, None)],
+    ids=["bf16-D128", "fp16-D64-causal-overlap", "backward-bf16-D128-causal"],
 )
-def test_gluon_forward_compiles_for_hopper(config):
-    """The experimental warp-specialized Gluon forward (off by default) stays valid Gluon for the
-    installed triton (both variants): compiled for sm_90a on any machine (no GPU needed), with
-    asynchronous wgmma, TMA bulk loads and register reallocation between its partitions in the PTX.
-    In a subprocess without TRITON_INTERPRET: under the interpreter triton's standard functions
-    (gl.max, ...) are interpreted ones, which Gluon cannot compile."""
+def test_gluon_kernels_compile_for_hopper(config):
+    """The experimental warp-specialized Gluon kernels (off by default: the forward's two variants,
+    the student backward) stay valid Gluon for the installed triton: compiled for sm_90a on any
+    machine (no GPU needed), with asynchronous wgmma, TMA bulk loads and register reallocation
+    between its partitions in the PTX. In a subprocess without TRITON_INTERPRET: under the
+    interpreter triton's standard functions (gl.max, ...) are interpreted ones, which Gluon cannot
+    compile."""
     _gluon()
     dtype, dim, causal, overlap = config
+    call = f"torch.{str(dtype).split('.')[-1]}, {dim}, {causal}"
+    if overlap is None:  # the student backward, gluon_backward.py
+        call = f"g.gluon_backward.compile_for_hopper({call})"
+    else:
+        call = f"g.compile_for_hopper({call}, {overlap})"
     code = (
         "import json, torch\n"
-        "from streamkl.backends.triton import gluon_forward as g\n"
-        f"k = g.compile_for_hopper(torch.{str(dtype).split('.')[-1]}, {dim}, {causal}, {overlap})\n"
+        "from streamkl.backends.triton import gluon_forward as g, gluon_backward\n"
+        "g.gluon_backward = gluon_backward\n"
+        f"k = {call}\n"
         "print(json.dumps({'ptx': k.asm['ptx'], 'num_warps': k.metadata.num_warps}))\n"
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -572,4 +579,32 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
     check_against_reference(x, "triton", causal=True)
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton", window=(64, 0))  # a window: outside the kernel's scope
+    assert not calls
+
+
+@gpu
+def test_gluon_student_backward_matches_reference(monkeypatch):
+    """The Gluon student backward where it applies (bf16, dense, causal or not, GQA on side 1,
+    Nk >= Nq, D 64 / 128) against the float64 reference, after either forward; problems outside
+    its scope (teacher gradients, float16, deterministic) keep backward.py. NOT yet run on a GPU
+    when written (fifth session; checked under the Gluon simulator)."""
+    from streamkl.backends.triton import gluon_backward
+
+    gluon_forward = _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    calls = []
+    original = gluon_backward.kl_backward
+    monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
+    cases = [(128, False, 256, 384, (2, 4)), (128, True, 384, 384, (4, 4)), (64, True, 192, 256, (1, 4))]
+    for d, causal, n_q, n_k, heads_k in cases:
+        x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
+        check_against_reference(x, "triton", causal=causal)
+    assert len(calls) == len(cases)
+    calls.clear()
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
+    check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", causal=True)  # float16: backward.py (its g rescaling)
     assert not calls

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from streamkl.backends.base import empty_rows_to_zero
+from streamkl.backends.triton import gluon_backward
 from streamkl.backends.triton.common import (
     _INTERPRET,
     LN2_K,
@@ -625,6 +626,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     atomic = not deterministic and (not two_sides or bool(TUNE.get("atomic2", False)))
     if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
         return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
+    if gluon_backward.enabled() and gluon_backward.applies(problem, q1, k1, q2, k2, needs, deterministic):
+        return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows)  # experimental, off
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
     dk2 = _grad_buffer(k2, varlen) if need_dk2 else None
     grad_rows = grad_rows.float()

@@ -1,0 +1,286 @@
+"""EXPERIMENTAL Hopper (sm_90) student backward in Gluon: the key-major pass of backward.py (dk2 in
+registers, dq2 added into a float32 buffer), warp-specialized like gluon_forward.py. Off unless
+asked for (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON`), NOT yet run on a GPU: written on a
+CPU-only machine (fifth session) and checked under triton-viz's Gluon simulator
+(`benchmarks/gluon_simulate.py --backward`).
+
+One program = one (128-key tile, sequence, head): a producer warp loads both sides' key tiles once,
+then streams the 64-row query tiles that see them (both sides) through an mbarrier ring; two
+consumer warpgroups own 64 keys each and, per query tile, take the transposed scores
+s^T = k q^T of both sides (async wgmma), p^T and q^T from the saved row statistics,
+dS2^T = g (q - p)^T, then dk2 += dS2^T q2 and dq2 += dS2 k2 (dS2^T through
+shared memory, which both products read), the dq2 tile added with element atomics (Gluon 3.6 has no TMA reduction).
+
+Scope (`applies`): the student's gradients only (dq2, dk2), dense keys, causal or not (Nk >= Nq),
+bfloat16, D 64 / 128 on both sides, no GQA on side 2, N multiples of 128 (keys) and 64 (queries),
+not deterministic; everything else runs backward.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled  # noqa: F401
+from streamkl.problem import Problem
+
+if GLUON_IMPORT_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia import hopper
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_N = 128  # keys a program: two consumer warpgroups of 64
+BLOCK_M = 64  # query rows a step
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def stages(dim: int) -> int:
+    """Ring slots of both sides' query tiles (D=128: 2 x 32 KB each next to 64 KB of keys)."""
+    return 3 if dim > 64 else 4
+
+
+def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
+    if GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
+        return False
+    if tuple(needs) != (False, False, True, True) or problem.dtype != torch.bfloat16:
+        return False
+    if problem.is_varlen or problem.mask1 is not None or problem.mask2 is not None or problem.window != (-1, -1):
+        return False
+    if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128) or problem.heads_k2 != problem.heads:
+        return False
+    if problem.seqlen_k % BLOCK_N or problem.seqlen_q % BLOCK_M or problem.seqlen_q == 0:
+        return False
+    if problem.causal and problem.seqlen_k < problem.seqlen_q:
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q1, k1, q2, k2)):
+        return False
+    from streamkl.backends.triton.common import capability, device_index
+
+    return capability(device_index(problem))[0] == 9
+
+
+if GLUON_IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _bwd_producer(q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                      k_bar, ready, empty, q_row, k_row, q1_col, q2_col, k1_col, k2_col, first_tile, n_tiles,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: both key tiles once, then the query tiles of both sides through the ring."""
+        mbarrier.expect(k_bar, k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k1_desc, [k_row, k1_col], k_bar, k1_smem)
+        tma.async_copy_global_to_shared(k2_desc, [k_row, k2_col], k_bar, k2_smem)
+        for i in range(n_tiles):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            mbarrier.expect(ready.index(slot), q1_desc.block_type.nbytes + q2_desc.block_type.nbytes)
+            row = q_row + (first_tile + i) * BLOCK_M
+            tma.async_copy_global_to_shared(q1_desc, [row, q1_col], ready.index(slot), q1_smem.index(slot))
+            tma.async_copy_global_to_shared(q2_desc, [row, q2_col], ready.index(slot), q2_smem.index(slot))
+
+    @gluon.jit
+    def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+                      LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                      stride_sn, stride_gn, stride_dqn, stride_dkn,
+                      k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                      WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr):
+        """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys, dq2 contributions added."""
+        HALF: gl.constexpr = 64
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])  # [keys, rows]
+        d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])  # [keys or rows, D]
+        key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
+        ka1 = k1_smem.slice(WG * HALF, HALF)
+        ka2 = k2_smem.slice(WG * HALF, HALF)
+        ds_buf = ds_smem.index(WG)
+        zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 64, 16])  # [rows, 64 of D]
+        zero_q = gl.zeros([BLOCK_M, 64], gl.float32, q_layout)
+        dk = gl.zeros([HALF, D], gl.float32, d_layout)
+        o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+        o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
+        o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
+        mbarrier.wait(k_bar, 0)
+        for i in range(n_tiles):
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            o_i = (first_tile + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
+            lse1 = gl.load(LSE1 + o_stat + o_i.to(gl.int64) * stride_sn) * 1.4426950408889634
+            lse2 = gl.load(LSE2 + o_stat + o_i.to(gl.int64) * stride_sn) * 1.4426950408889634
+            g = gl.load(GRAD + o_grad + o_i.to(gl.int64) * stride_gn)
+            g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
+            st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+            p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
+            q = gl.exp2(st2 * scale2 - lse2[None, :])
+            if CAUSAL:
+                allowed = o_j[:, None] <= (o_i + offset)[None, :]
+                p = gl.where(allowed, p, 0.0)
+                q = gl.where(allowed, q, 0.0)
+            ds_t = (g[None, :] * (q - p)).to(ds_buf.dtype)  # dS2^T [keys, rows], in the input dtype
+            # dS2^T through shared memory: dk2 += dS2^T q2 reads it as is, dq2 = dS2 k2 transposed
+            ds_buf.store(ds_t)
+            hopper.fence_async_shared()
+            dk = hopper.warpgroup_mma(ds_buf, q2_smem.index(slot), dk, is_async=True)
+            dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+            mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
+            p_dq = DQ2 + o_dq + (o_qd.to(gl.int64) + (first_tile + i) * BLOCK_M)[:, None] * stride_dqn
+            for half in gl.static_range(D // 64):  # 64 columns at a time: fewer live registers
+                dq = hopper.warpgroup_mma(ds_buf.permute((1, 0)), ka2.slice(half * 64, 64, dim=1), zero_q,
+                                          use_acc=False)
+                gl.atomic_add(p_dq + (half * 64 + o_dq_col)[None, :], dq * out_scale2, sem="relaxed")
+        keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
+        gl.store(DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :], (dk * out_scale2).to(DK2.dtype.element_ty))
+
+    @gluon.jit
+    def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+                        LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                        stride_sn, stride_gn, stride_dqn, stride_dkn,
+                        k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                        D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+                      LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                      stride_sn, stride_gn, stride_dqn, stride_dkn,
+                      k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, 1, D, BLOCK_M, STAGES, CAUSAL)
+
+    @gluon.jit
+    def _kl_bwd_gluon_kernel(
+        q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
+        LSE1, LSE2, GRAD, DQ2, DK2,
+        stride_sb, stride_sh, stride_sn,  # lse [B, H, N]
+        stride_gb, stride_gn, stride_gh,  # g [B, N, H]
+        stride_dqb, stride_dqn, stride_dqh,  # the float32 dq2 buffer [B, N, H, D]
+        stride_dkb, stride_dkn, stride_dkh,  # dk2 [B, N, H, D]
+        seqlen_q, seqlen_k, heads, group1,
+        scale1, scale2, out_scale2, k_programs,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        DS_LAYOUT: gl.constexpr,  # shared layout of the [64, BLOCK_M] dS^T tiles
+    ):
+        pid_bh = gl.program_id(0) // k_programs
+        pid_k = gl.program_id(0) - pid_bh * k_programs
+        seq = pid_bh // heads
+        head = pid_bh % heads
+        k0 = pid_k * 128
+        offset = seqlen_k - seqlen_q
+        first_tile = 0
+        if CAUSAL:  # query rows i see key k0 once i + offset >= k0
+            first_tile = gl.maximum(k0 - offset, 0) // BLOCK_M
+        n_tiles = seqlen_q // BLOCK_M - first_tile
+
+        q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
+        k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
+        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 64, BLOCK_M], DS_LAYOUT)
+        k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(k_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        hopper.fence_async_shared()
+
+        seq64 = seq.to(gl.int64)
+        o_stat = seq64 * stride_sb + head * stride_sh
+        o_grad = seq64 * stride_gb + head * stride_gh
+        o_dq = seq64 * stride_dqb + head * stride_dqh
+        o_dk = seq64 * stride_dkb + head * stride_dkh
+        q_row = seq * seqlen_q
+        k_row = seq * seqlen_k + k0
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+                                 LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                                 stride_sn, stride_gn, stride_dqn, stride_dkn,
+                                 k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                 0, D, BLOCK_M, STAGES, CAUSAL)),
+                (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+                                   LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                                   stride_sn, stride_gn, stride_dqn, stride_dkn,
+                                   k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                   D, BLOCK_M, STAGES, CAUSAL)),
+                (_bwd_producer, (q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
+                                 k_bar, ready, empty, q_row, k_row, head * D, head * D,
+                                 (head // group1) * D, head * D, first_tile, n_tiles, BLOCK_M, STAGES)),
+            ],
+            [4, 1],
+            [232, 40],
+        )
+
+
+def _gl_dtype(dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def descriptors(q1, k1, q2, k2):
+    """Host TMA descriptors: queries in [64, D] boxes, keys in [128, D] boxes."""
+    out = []
+    for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N)):
+        dim = t.shape[-1]
+        flat = t.view(-1, t.shape[-2] * dim)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, dim], _gl_dtype(t.dtype))
+        out.append(TensorDescriptor.from_tensor(flat, [rows, dim], layout))
+    return out
+
+
+def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2):
+    """(grid, positional arguments, constexprs) of one launch."""
+    from streamkl.backends.triton.common import group_sizes, log2_scales
+
+    group1, _ = group_sizes(problem)
+    scale1, scale2 = log2_scales(problem)
+    k_programs = problem.seqlen_k // BLOCK_N
+    args = (
+        *descriptors(q1, k1, q2, k2), lse1, lse2, grad_rows, dq2, dk2,
+        *lse1.stride(), *grad_rows.stride(),
+        dq2.stride(0), dq2.stride(1), dq2.stride(2), dk2.stride(0), dk2.stride(1), dk2.stride(2),
+        problem.seqlen_q, problem.seqlen_k, problem.heads, group1,
+        scale1, scale2, scale2 * LN2, k_programs,
+    )  # fmt: skip
+    ds_layout = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], _gl_dtype(problem.dtype))
+    constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
+                      DS_LAYOUT=ds_layout)
+    return (k_programs * problem.batch * problem.heads,), args, constexprs
+
+
+def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows):
+    """(None, None, dq2, dk2) through the Gluon kernel; `applies()` must hold."""
+    dq2 = torch.zeros(q2.shape, dtype=torch.float32, device=q2.device)
+    dk2 = torch.empty_like(k2)
+    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, grad_rows.float(), dq2, dk2)
+    _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
+    return None, None, dq2.to(q2.dtype), dk2
+
+
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, num_stages: int = 1):
+    """Compile the kernel for sm_90a without a GPU (as gluon_forward.compile_for_hopper)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t = torch.empty(4 * BLOCK_N, 4 * dim, dtype=dtype)
+    layouts = [gl.NVMMASharedLayout.get_default_for([rows, dim], _gl_dtype(dtype)) for rows in (BLOCK_M, BLOCK_N)]
+    descs = [TensorDescriptor.from_tensor(t, [rows, dim], layout) for rows, layout in zip((BLOCK_M, BLOCK_N), layouts)]
+    descs = descs + descs  # q1, k1, q2, k2
+    signature = {name: mangle_type(d) for name, d in zip(["q1_desc", "k1_desc", "q2_desc", "k2_desc"], descs)}
+    signature.update(LSE1="*fp32", LSE2="*fp32", GRAD="*fp32", DQ2="*fp32", DK2=mangle_type(t))
+    for name in ("stride_sb", "stride_sh", "stride_sn", "stride_gb", "stride_gn", "stride_gh", "stride_dqb",
+                 "stride_dqn", "stride_dqh", "stride_dkb", "stride_dkn", "stride_dkh", "seqlen_q", "seqlen_k",
+                 "heads", "group1"):
+        signature[name] = "i32"
+    signature.update(scale1="fp32", scale2="fp32", out_scale2="fp32", k_programs="i32")
+    constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
+                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], _gl_dtype(dtype)))
+    signature.update({name: "constexpr" for name in constexprs})
+    positions = {(list(signature).index(name),): value for name, value in constexprs.items()}
+    source = GluonASTSource(_kl_bwd_gluon_kernel, signature, positions)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages})
