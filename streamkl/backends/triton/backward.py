@@ -512,9 +512,9 @@ def arithmetic(problem: Problem) -> dict:
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
 #: "kv_tiles" / "kv_tiles2" -> (block_q, block_k) for one side's / both sides' gradients,
-#: "kv" -> (warps, stages), "fold" -> bool, "dq_tma" -> bool, "dq_tiles" -> (block_q, block_k) of the dq
-#: kernel, "atomic2" -> bool (both sides' gradients
-#: through the atomic key-major pass instead of the two kernels).
+#: "kv" -> (warps, stages), "fold" -> bool, "dq_tma" -> bool, "dq_tiles" -> (block_q, block_k) of the
+#: dq kernel, "atomic2" -> bool (both sides' gradients through the atomic key-major pass instead of the
+#: two kernels: measured slower in every tiling, tune_h200_round9.jsonl).
 TUNE: dict = {}
 
 

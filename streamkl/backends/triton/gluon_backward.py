@@ -21,14 +21,16 @@ from __future__ import annotations
 import torch
 
 from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled  # noqa: F401
+
+if GLUON_IMPORT_ERROR is None:
+    from streamkl.backends.triton.gluon_forward import _load_then_stream, compile_sm90, flat_descriptor, gl_dtype
 from streamkl.problem import Problem
 
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 BLOCK_N = 128  # keys a program: two consumer warpgroups of 64
 BLOCK_M = 64  # query rows a step
@@ -62,22 +64,6 @@ def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> boo
 
 
 if GLUON_IMPORT_ERROR is None:
-
-    @gluon.jit
-    def _bwd_producer(q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
-                      k_bar, ready, empty, q_row, k_row, q1_col, q2_col, k1_col, k2_col, first_tile, n_tiles,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: both key tiles once, then the query tiles of both sides through the ring."""
-        mbarrier.expect(k_bar, k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k1_desc, [k_row, k1_col], k_bar, k1_smem)
-        tma.async_copy_global_to_shared(k2_desc, [k_row, k2_col], k_bar, k2_smem)
-        for i in range(n_tiles):
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-            mbarrier.expect(ready.index(slot), q1_desc.block_type.nbytes + q2_desc.block_type.nbytes)
-            row = q_row + (first_tile + i) * BLOCK_M
-            tma.async_copy_global_to_shared(q1_desc, [row, q1_col], ready.index(slot), q1_smem.index(slot))
-            tma.async_copy_global_to_shared(q2_desc, [row, q2_col], ready.index(slot), q2_smem.index(slot))
 
     @gluon.jit
     def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
@@ -207,28 +193,13 @@ if GLUON_IMPORT_ERROR is None:
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    D, BLOCK_M, STAGES, CAUSAL)),
-                (_bwd_producer, (q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
-                                 k_bar, ready, empty, q_row, k_row, head * D, head * D,
-                                 (head // group1) * D, head * D, first_tile, n_tiles, BLOCK_M, STAGES)),
+                (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
+                                     head * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                                     q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, BLOCK_M, STAGES)),
             ],
             [4, 1],
             [232, 40],
         )
-
-
-def _gl_dtype(dtype):
-    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-
-
-def descriptors(q1, k1, q2, k2):
-    """Host TMA descriptors: queries in [64, D] boxes, keys in [128, D] boxes."""
-    out = []
-    for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N)):
-        dim = t.shape[-1]
-        flat = t.view(-1, t.shape[-2] * dim)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, dim], _gl_dtype(t.dtype))
-        out.append(TensorDescriptor.from_tensor(flat, [rows, dim], layout))
-    return out
 
 
 def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2):
@@ -239,13 +210,14 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     scale1, scale2 = log2_scales(problem)
     k_programs = problem.seqlen_k // BLOCK_N
     args = (
-        *descriptors(q1, k1, q2, k2), lse1, lse2, grad_rows, dq2, dk2,
+        *(flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))),
+        lse1, lse2, grad_rows, dq2, dk2,
         *lse1.stride(), *grad_rows.stride(),
         dq2.stride(0), dq2.stride(1), dq2.stride(2), dk2.stride(0), dk2.stride(1), dk2.stride(2),
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1,
         scale1, scale2, scale2 * LN2, k_programs,
     )  # fmt: skip
-    ds_layout = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], _gl_dtype(problem.dtype))
+    ds_layout = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout)
     return (k_programs * problem.batch * problem.heads,), args, constexprs
@@ -260,27 +232,17 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows):
     return None, None, dq2.to(q2.dtype), dk2
 
 
-def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, num_stages: int = 1):
-    """Compile the kernel for sm_90a without a GPU (as gluon_forward.compile_for_hopper)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    t = torch.empty(4 * BLOCK_N, 4 * dim, dtype=dtype)
-    layouts = [gl.NVMMASharedLayout.get_default_for([rows, dim], _gl_dtype(dtype)) for rows in (BLOCK_M, BLOCK_N)]
-    descs = [TensorDescriptor.from_tensor(t, [rows, dim], layout) for rows, layout in zip((BLOCK_M, BLOCK_N), layouts)]
-    descs = descs + descs  # q1, k1, q2, k2
-    signature = {name: mangle_type(d) for name, d in zip(["q1_desc", "k1_desc", "q2_desc", "k2_desc"], descs)}
-    signature.update(LSE1="*fp32", LSE2="*fp32", GRAD="*fp32", DQ2="*fp32", DK2=mangle_type(t))
-    for name in ("stride_sb", "stride_sh", "stride_sn", "stride_gb", "stride_gn", "stride_gh", "stride_dqb",
-                 "stride_dqn", "stride_dqh", "stride_dkb", "stride_dkn", "stride_dkh", "seqlen_q", "seqlen_k",
-                 "heads", "group1"):
-        signature[name] = "i32"
-    signature.update(scale1="fp32", scale2="fp32", out_scale2="fp32", k_programs="i32")
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False):
+    """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
+    t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
+    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
+    stats = torch.empty(4, dtype=torch.float32)
+    names = ("stride_sb", "stride_sh", "stride_sn", "stride_gb", "stride_gn", "stride_gh", "stride_dqb",
+             "stride_dqn", "stride_dqh", "stride_dkb", "stride_dkn", "stride_dkh", "seqlen_q", "seqlen_k",
+             "heads", "group1")
+    examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
+    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, **dict.fromkeys(names, 1024))
+    examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
-                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], _gl_dtype(dtype)))
-    signature.update({name: "constexpr" for name in constexprs})
-    positions = {(list(signature).index(name),): value for name, value in constexprs.items()}
-    source = GluonASTSource(_kl_bwd_gluon_kernel, signature, positions)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages})
+                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl_dtype(dtype)))
+    return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)

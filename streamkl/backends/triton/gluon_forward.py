@@ -114,28 +114,32 @@ def applies(problem: Problem, q1, k1, q2, k2) -> bool:
 if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
-    def _producer(q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
-                  q_bar, ready, empty, q_row, k_row, q1_col, q2_col, k1_col, k2_col, n_tiles,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: both query tiles once, then the key tiles of both sides through the ring."""
-        mbarrier.expect(q_bar, q1_desc.block_type.nbytes + q2_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q1_desc, [q_row, q1_col], q_bar, q1_smem)
-        tma.async_copy_global_to_shared(q2_desc, [q_row, q2_col], q_bar, q2_smem)
+    def _load_then_stream(once1_desc, once2_desc, once1_smem, once2_smem, once_bar, once_row, once1_col, once2_col,
+                          ring1_desc, ring2_desc, ring1_smem, ring2_smem, ready, empty, ring_row, ring1_col,
+                          ring2_col, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+        """The producer warp of both Gluon kernels: one tile of each side loaded once (the forward's
+        queries, the backward's keys), then n_tiles tiles of each side, BLOCK rows apart from
+        ring_row, streamed through the ring of STAGES slots (`ready` when a slot's bytes have
+        landed, `empty` when its consumers have read it)."""
+        mbarrier.expect(once_bar, once1_desc.block_type.nbytes + once2_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(once1_desc, [once_row, once1_col], once_bar, once1_smem)
+        tma.async_copy_global_to_shared(once2_desc, [once_row, once2_col], once_bar, once2_smem)
         for i in range(n_tiles):
             slot = i % STAGES
             # a slot's first use waits for nothing; its n-th reuse for the consumers' n-th release
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-            mbarrier.expect(ready.index(slot), k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k1_desc, [k_row + i * BLOCK_N, k1_col], ready.index(slot),
-                                            k1_smem.index(slot))
-            tma.async_copy_global_to_shared(k2_desc, [k_row + i * BLOCK_N, k2_col], ready.index(slot),
-                                            k2_smem.index(slot))
+            mbarrier.expect(ready.index(slot), ring1_desc.block_type.nbytes + ring2_desc.block_type.nbytes)
+            row = ring_row + i * BLOCK
+            tma.async_copy_global_to_shared(ring1_desc, [row, ring1_col], ready.index(slot), ring1_smem.index(slot))
+            tma.async_copy_global_to_shared(ring2_desc, [row, ring2_col], ready.index(slot), ring2_smem.index(slot))
 
     @gluon.jit
     def _tile_stats(r1, r2, tile, n_full, o_i, offset, scale1, scale2, m1, m2, l1, l2, acc,
                     BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
-        """The five running statistics after one key tile's raw products r1, r2 (the Triton
-        kernel's arithmetic, log2 units): scales folded on full tiles, the causal edge masked."""
+        """The five running statistics after one key tile's raw products r1, r2, in log2 units:
+        forward._fold_stats on full tiles and forward._fwd_step's masked branch on the causal edge,
+        written again in Gluon (a Gluon kernel cannot call those Triton functions); the three
+        change together."""
         if tile < n_full:
             # full tile, scales folded: the maxima on the raw products, one FMA per exponent argument
             m1_new = gl.maximum(m1, gl.max(r1, axis=1) * scale1)
@@ -292,25 +296,29 @@ if GLUON_IMPORT_ERROR is None:
                 (_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                                KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                                row0, offset, n_tiles, scale1, scale2, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
-                (_producer, (q1_desc, q2_desc, k1_desc, k2_desc, q1_smem, q2_smem, k1_smem, k2_smem,
-                             q_bar, ready, empty, q_row, k_row, head * D1, head * D2,
-                             (head // group1) * D1, (head // group2) * D2, n_tiles, BLOCK_N, STAGES)),
+                (_load_then_stream, (q1_desc, q2_desc, q1_smem, q2_smem, q_bar, q_row, head * D1, head * D2,
+                                     k1_desc, k2_desc, k1_smem, k2_smem, ready, empty, k_row,
+                                     (head // group1) * D1, (head // group2) * D2, n_tiles, BLOCK_N, STAGES)),
             ],
             [4, 1],
             [232, 40],
         )
 
 
+def gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def flat_descriptor(t: torch.Tensor, rows: int):
+    """A host TMA descriptor of an input as 2-D [tokens, heads * dim], in [rows, dim] boxes."""
+    dim = t.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype(t.dtype))
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2] * dim), [rows, dim], layout)
+
+
 def descriptors(problem: Problem, q1, k1, q2, k2, block_n: int):
-    """Host TMA descriptors of the four inputs as 2-D [tokens, heads * dim]."""
-    gl_dtype = gl.bfloat16 if problem.dtype == torch.bfloat16 else gl.float16
-    out = []
-    for t, rows in ((q1, BLOCK_M), (k1, block_n), (q2, BLOCK_M), (k2, block_n)):
-        dim = t.shape[-1]
-        flat = t.view(-1, t.shape[-2] * dim)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype)
-        out.append(TensorDescriptor.from_tensor(flat, [rows, dim], layout))
-    return out
+    """The four inputs' descriptors: queries in [128, D] boxes, keys in [block_n, D] boxes."""
+    return [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, block_n), (q2, BLOCK_M), (k2, block_n))]
 
 
 def kl_forward(problem: Problem, q1, k1, q2, k2):
@@ -336,30 +344,32 @@ def kl_forward(problem: Problem, q1, k1, q2, k2):
     return kl_rows, lse1, lse2, expect
 
 
-def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, overlap: bool = False):
-    """Compile the kernel for sm_90a without a GPU (CI: the code stays valid Gluon for this triton;
-    ptxas included). Returns the compiled kernel (its .asm holds ptx and cubin)."""
+def compile_sm90(kernel, examples: dict, constexprs: dict):
+    """Compile a Gluon kernel for sm_90a without a GPU (CI: the code stays valid Gluon for this
+    triton, ptxas included), from example values of its runtime arguments (CPU tensors, host
+    descriptors, ints, floats) in parameter order. Returns the compiled kernel (.asm: ptx, cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    block_n, stages = config(dim, overlap)
-    t = torch.empty(2 * BLOCK_M, 4 * dim, dtype=dtype)
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    descs = [
-        TensorDescriptor.from_tensor(t, [rows, dim], gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype))
-        for rows in (BLOCK_M, block_n, BLOCK_M, block_n)
-    ]
-    names = ["q1_desc", "k1_desc", "q2_desc", "k2_desc"]
-    signature = {name: mangle_type(d) for name, d in zip(names, descs)}
-    signature.update({name: "*fp32" for name in ("KL", "LSE1", "LSE2", "EXPECT")})
-    for name in ("stride_klb", "stride_kln", "stride_klh", "stride_sb", "stride_sh", "stride_sn", "seqlen_q",
-                 "seqlen_k", "heads", "group1", "group2", "q_programs"):
-        signature[name] = "i32"
-    signature.update(scale1="fp32", scale2="fp32")
-    constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap)
+    signature = {name: mangle_type(value) for name, value in examples.items()}
     signature.update({name: "constexpr" for name in constexprs})
     positions = {(list(signature).index(name),): value for name, value in constexprs.items()}
-    source = GluonASTSource(_kl_fwd_gluon_kernel, signature, positions)
+    source = GluonASTSource(kernel, signature, positions)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, overlap: bool = False):
+    """The forward compiled for sm_90a (`compile_sm90`) at one configuration."""
+    block_n, stages = config(dim, overlap)
+    t = torch.empty(2, BLOCK_M, 4, dim, dtype=dtype)
+    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, block_n, BLOCK_M, block_n)]
+    stats = torch.empty(4, dtype=torch.float32)
+    names = ("stride_klb", "stride_kln", "stride_klh", "stride_sb", "stride_sh", "stride_sn", "seqlen_q",
+             "seqlen_k", "heads", "group1", "group2")
+    examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
+    examples.update(KL=stats, LSE1=stats, LSE2=stats, EXPECT=stats, **dict.fromkeys(names, 1024))
+    examples.update(scale1=0.5, scale2=0.5, q_programs=1024)
+    constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap)
+    return compile_sm90(_kl_fwd_gluon_kernel, examples, constexprs)
