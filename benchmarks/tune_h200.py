@@ -231,8 +231,8 @@ def main():
                 for overlap in (False, True):
                     try:
                         gluon_forward.USE_GLUON, gluon_forward.OVERLAP = True, overlap
-                        out = streamkl.kl(*x, backend="triton", causal=causal, reduction="none")
-                        err = ((out - ref).norm() / ref.norm()).item()
+                        got = streamkl.kl(*x, backend="triton", causal=causal, reduction="none")
+                        err = ((got - ref).norm() / ref.norm()).item()
                         t = bench(kl_fn(x, causal=causal))
                         record(kind="gluon", d=d, causal=causal, overlap=overlap, ms=t, triton_ms=t_triton,
                                vs_sdpa=t / sdpa[d, causal][0], triton_vs_sdpa=t_triton / sdpa[d, causal][0],
@@ -240,7 +240,7 @@ def main():
                     except Exception as exc:  # noqa: BLE001
                         record(kind="gluon", d=d, causal=causal, overlap=overlap, error=repr(exc)[:600])
                     finally:
-                        gluon_forward.USE_GLUON, gluon_forward.OVERLAP = False, False
+                        gluon_forward.USE_GLUON, gluon_forward.OVERLAP = None, False
         # the student backward (gluon_backward.py, with the plain Gluon forward) against backward.py
         for d in (128, 64):
             for causal in (False, True):
@@ -260,7 +260,7 @@ def main():
                 except Exception as exc:  # noqa: BLE001
                     record(kind="gluon_bwd", d=d, causal=causal, error=repr(exc)[:600])
                 finally:
-                    gluon_forward.USE_GLUON = False
+                    gluon_forward.USE_GLUON = None
     if "chunks" in sections:
         # student backward, D=128, by length: each key-major configuration with the atomic pass in
         # one launch or two head chunks (the chunks halve its float32 dq buffer), and the

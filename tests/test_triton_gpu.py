@@ -498,13 +498,62 @@ def test_atomic_head_chunk_choice(monkeypatch):
     assert chunks(12, (3, 12), 1024) == 1  # teacher groups of 4: 3 groups do not halve
 
 
-# ------------------------------------------------------------------ experimental Gluon forward
+# ------------------------------------------------------------------ the Gluon forward (default at D=128 on sm_90)
 def _gluon():
     from streamkl.backends.triton import gluon_forward
 
     if gluon_forward.GLUON_IMPORT_ERROR is not None:
         pytest.skip(f"no Gluon in this triton: {gluon_forward.GLUON_IMPORT_ERROR}")
     return gluon_forward
+
+
+def test_gluon_switch_reads_attribute_then_environment(monkeypatch):
+    """`USE_GLUON` wins; else STREAMKL_GLUON=1 forces the Gluon kernels on (the experimental backward
+    too), 0 off, anything else leaves the default choice (None)."""
+    from streamkl.backends.triton import gluon_forward
+
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", None)
+    for value, expected in (("1", True), ("0", False), ("", None), ("yes", None)):
+        monkeypatch.setenv("STREAMKL_GLUON", value)
+        assert gluon_forward.setting() is expected
+        assert gluon_forward.enabled() is (expected is True)
+    monkeypatch.delenv("STREAMKL_GLUON")
+    assert gluon_forward.setting() is None
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", False)
+    monkeypatch.setenv("STREAMKL_GLUON", "1")
+    assert gluon_forward.setting() is False and not gluon_forward.enabled()
+
+
+@gpu
+def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
+    """With no switch set, an sm_90 GPU runs the Gluon forward for dense 16-bit problems at head dim
+    128 (measured 0.73-0.77x the SDPA forward against the Triton kernel's 0.89x), and the Triton
+    kernel at head dim 64 (Gluon measured slower there), for grids the Triton kernel splits over
+    the keys, and when STREAMKL_GLUON=0; the student backward stays backward.py."""
+    from streamkl.backends.triton import gluon_backward
+
+    gluon_forward = _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", None)
+    monkeypatch.delenv("STREAMKL_GLUON", raising=False)
+    calls, bwd_calls = [], []
+    original, original_bwd = gluon_forward.kl_forward, gluon_backward.kl_backward
+    monkeypatch.setattr(gluon_forward, "kl_forward", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: bwd_calls.append(1) or original_bwd(*a))
+    x = make_inputs((2, 256), (2, 384), 4, (4, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", causal=True)
+    assert len(calls) == 1 and not bwd_calls
+    x = make_inputs((2, 256), (2, 256), 4, (4, 4), (64, 64), torch.bfloat16, DEVICE)
+    check_against_reference(x, "triton")
+    assert len(calls) == 1  # D=64: the Triton kernel
+    x = make_inputs((1, 128), (1, 65536), 1, (1, 1), (128, 128), torch.bfloat16, DEVICE)
+    check_against_reference(x, "triton", causal=True)
+    assert len(calls) == 1  # one query tile against 512 key tiles: the split-K Triton kernel
+    monkeypatch.setenv("STREAMKL_GLUON", "0")
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE)
+    check_against_reference(x, "triton")
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,10 @@
 """EXPERIMENTAL Hopper (sm_90) student backward in Gluon: the key-major pass of backward.py (dk2 in
 registers, dq2 added into a float32 buffer), warp-specialized like gluon_forward.py. Off unless
-asked for (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON`), NOT yet run on a GPU: written on a
-CPU-only machine (fifth session) and checked under triton-viz's Gluon simulator
+asked for (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON = True`): correct on the H200 but measured
+1.4-1.9x SLOWER than backward.py there (sixth session, benchmarks/results/tune_h200_round11.jsonl:
+D=128 23.6 ms against 14.8 non-causal; every warpgroup adds its own 64x128 dq2 tile by element
+atomics, twice the atomic traffic of a 128-key tile, and ptxas spills). Written on a CPU-only
+machine (fifth session) and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`).
 
 One program = one (128-key tile, sequence, head): a producer warp loads both sides' key tiles once,

@@ -1,11 +1,15 @@
-"""EXPERIMENTAL Hopper (sm_90) forward in Gluon, Triton's explicit-layout dialect: the FA3 design,
-warp-specialized. NOT used unless asked for (`STREAMKL_GLUON=1` or `USE_GLUON = True`), and NOT yet
-run on a GPU: written and compiled for sm_90a on a CPU-only machine (fifth session, no device time
-left), and run on the CPU under triton-viz's Gluon simulator, where both variants agree with the
-float64 reference to 2e-7 on eight problems (`benchmarks/gluon_simulate.py`: the arithmetic, the
-indexing, the masks and the barrier protocol as that simulator models them; not the hardware's
-memory model). The next GPU session checks it (`tests/test_triton_gpu.py -k gluon`) and times it
-(`benchmarks/gpu_gluon_round.sh`).
+"""Hopper (sm_90) forward in Gluon, Triton's explicit-layout dialect: the FA3 design,
+warp-specialized. The Triton backend's DEFAULT forward on sm_90 where it applies and where it was
+measured faster than forward.py (head dim 128 on both sides: 0.77x the SDPA forward non-causal,
+0.73x causal at N=16K on the H200, against the Triton kernel's 0.89x; sixth session,
+benchmarks/results/tune_h200_round11.jsonl). At head dim 64 it measured slower than forward.py
+(1.10x against 0.99x) and runs only when forced. `STREAMKL_GLUON=0` (or `USE_GLUON = False`) turns
+it off, `STREAMKL_GLUON=1` (or `USE_GLUON = True`) uses it, and the experimental Gluon student
+backward (gluon_backward.py), wherever they apply.
+
+First written and compiled on a CPU-only machine (fifth session) and run under triton-viz's Gluon
+simulator there (`benchmarks/gluon_simulate.py`: both variants agree with float64 to 2e-7); first
+run on the H200 in the sixth session (`tests/test_triton_gpu.py -k gluon`, the whole GPU suite).
 
 Why: the plain Triton forward (forward.py) runs its products and its softmax in the same warps, one
 after the other (Triton 3.6 cannot warp-specialize this loop on Hopper: `tl.range(...,
@@ -35,6 +39,7 @@ whose scores are all -inf by value reads NaN, as in the Triton kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,15 +63,35 @@ else:
     if not triton.__version__.startswith("3.6."):  # pragma: no cover - the API this was written against
         GLUON_IMPORT_ERROR = f"written against Gluon of triton 3.6, found triton {triton.__version__}"
 
-#: Use the Gluon kernel where it applies (also `STREAMKL_GLUON=1`). Off: not yet run on a GPU.
-USE_GLUON = False
+#: None: the default choice (`chosen()`); True: the Gluon kernels wherever they apply (forward at
+#: any supported head dim, the experimental student backward); False: never. The environment
+#: variable `STREAMKL_GLUON` (1 / 0) sets it when this is None.
+USE_GLUON: bool | None = None
 
 BLOCK_M = 128  # query rows a program: two consumer warpgroups of 64
 LN2 = 0.6931471805599453
 
 
+def setting() -> bool | None:
+    """`USE_GLUON`, else `STREAMKL_GLUON` (1: True, 0: False), else None (the default choice)."""
+    if USE_GLUON is not None:
+        return USE_GLUON
+    value = os.environ.get("STREAMKL_GLUON", "").strip()
+    return {"1": True, "0": False}.get(value)
+
+
 def enabled() -> bool:
-    return USE_GLUON or os.environ.get("STREAMKL_GLUON") == "1"
+    """Whether the Gluon kernels are forced on (the experimental backward runs only then)."""
+    return setting() is True
+
+
+def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
+    """Whether the forward of this problem runs the Gluon kernel: where it applies, at head dim
+    128 by default (measured faster there), at 64 too when forced."""
+    use = setting()
+    if use is False or (use is None and problem.dim1 != 128):
+        return False
+    return applies(problem, q1, k1, q2, k2)
 
 
 #: The variant: False, each warpgroup waits for its tile's products before the statistics (128-key
@@ -309,11 +334,17 @@ def gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
+@functools.lru_cache(maxsize=32)
+def shared_layout(rows: int, dim: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a [rows, dim] tile (cached: ~6 us of host time a call)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype(dtype))
+
+
 def flat_descriptor(t: torch.Tensor, rows: int):
     """A host TMA descriptor of an input as 2-D [tokens, heads * dim], in [rows, dim] boxes."""
     dim = t.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype(t.dtype))
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-2] * dim), [rows, dim], layout)
+    flat = t.view(-1, t.shape[-2] * dim)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, dim], shared_layout(rows, dim, t.dtype))
 
 
 def descriptors(problem: Problem, q1, k1, q2, k2, block_n: int):
