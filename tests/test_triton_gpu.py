@@ -544,26 +544,31 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     x = make_inputs((2, 256), (2, 384), 4, (4, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True)
     assert len(calls) == 1 and not bwd_calls
+    cu = torch.tensor([0, 100, 400, 1000], dtype=torch.int32, device=DEVICE)
+    x = make_inputs((1000,), (1000,), 4, (4, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", causal=True, cu_seqlens=cu)
+    assert len(calls) == 2 and not bwd_calls  # varlen
     x = make_inputs((2, 256), (2, 256), 4, (4, 4), (64, 64), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton")
-    assert len(calls) == 1  # D=64: the Triton kernel
+    assert len(calls) == 2  # D=64: the Triton kernel
     x = make_inputs((1, 128), (1, 65536), 1, (1, 1), (128, 128), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton", causal=True)
-    assert len(calls) == 1  # one query tile against 512 key tiles: the split-K Triton kernel
+    assert len(calls) == 2  # one query tile against 512 key tiles: the split-K Triton kernel
     monkeypatch.setenv("STREAMKL_GLUON", "0")
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE)
     check_against_reference(x, "triton")
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize(
     "config",
-    [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, 128, True, None)],
-    ids=["bf16-D128", "fp16-D64-causal-overlap", "backward-bf16-D128-causal"],
+    [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, 128, True, "varlen"),
+     (torch.bfloat16, 128, True, None)],
+    ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128-causal-varlen", "backward-bf16-D128-causal"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
-    """The experimental warp-specialized Gluon kernels (off by default: the forward's two variants,
-    the student backward) stay valid Gluon for the installed triton: compiled for sm_90a on any
+    """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
+    experimental student backward) stay valid Gluon for the installed triton: compiled for sm_90a on any
     machine (no GPU needed), with asynchronous wgmma, TMA bulk loads and register reallocation
     between its partitions in the PTX. In a subprocess without TRITON_INTERPRET: under the
     interpreter triton's standard functions (gl.max, ...) are interpreted ones, which Gluon cannot
@@ -573,6 +578,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     call = f"torch.{str(dtype).split('.')[-1]}, {dim}, {causal}"
     if overlap is None:  # the student backward, gluon_backward.py
         call = f"g.gluon_backward.compile_for_hopper({call})"
+    elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
+        call = f"g.compile_for_hopper({call}, False, True)"
     else:
         call = f"g.compile_for_hopper({call}, {overlap})"
     code = (
@@ -594,9 +601,9 @@ def test_gluon_kernels_compile_for_hopper(config):
 @gpu
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_gluon_forward_matches_reference(overlap, monkeypatch):
-    """The Gluon forward where it applies (dense, causal or not, GQA, Nk >= Nq; D 64 / 128; 16-bit)
-    against the float64 reference, the backward still the Triton one; problems outside its scope
-    fall back to the Triton kernel. NOT yet run on a GPU when written (fifth session)."""
+    """The Gluon forward forced on wherever it applies (dense or varlen, causal or not, GQA, tails,
+    empty rows; D 64 / 128; 16-bit) against the float64 reference, the backward the Triton one;
+    problems outside its scope fall back to the Triton kernel."""
     gluon_forward = _gluon()
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
@@ -610,11 +617,22 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
         (torch.bfloat16, 128, True, 384, 384, (4, 4)),
         (torch.float16, 64, True, 256, 512, (2, 1)),
         (torch.float16, 128, False, 128, 128, (1, 1)),
+        (torch.bfloat16, 128, True, 200, 200, (2, 2)),  # tails
+        (torch.bfloat16, 128, True, 300, 130, (2, 1)),  # Nk < Nq causal: empty rows
+        (torch.float16, 64, False, 77, 1000, (1, 2)),
     ]
     for dtype, d, causal, n_q, n_k, heads_k in cases:
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), dtype, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
-    assert len(calls) == len(cases)
+    # varlen: a one-row sequence, an empty key sequence, an empty query sequence, rows past cu[-1]
+    lens = [(130, 130), (1, 1), (64, 0), (0, 7), (513, 600), (256, 200)]
+    cu_q = torch.tensor([0] + torch.tensor([a for a, _ in lens]).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor([b for _, b in lens]).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    for d, causal in ((128, True), (128, False), (64, True)):
+        x = make_inputs((int(cu_q[-1]) + 5,), (int(cu_k[-1]),), 4, (2, 4), (d, d), torch.bfloat16, DEVICE,
+                        (False, False, True, True))
+        check_against_reference(x, "triton", causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    assert len(calls) == len(cases) + 3
     # against the Triton kernel at a longer length (float32 statistics: same up to summation order)
     x = make_inputs((1, 2048), (1, 2048), 8, (8, 2), (128, 128), torch.bfloat16, DEVICE)
     for causal in (False, True):
@@ -624,10 +642,10 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
         monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
         assert rel_l2(out, ref) < 1e-4 and rel_l2(lse1, ref1) < 1e-6 and rel_l2(lse2, ref2) < 1e-6
     calls.clear()
-    x = make_inputs((1, 200), (1, 200), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE)  # 200: not a multiple
-    check_against_reference(x, "triton", causal=True)
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton", window=(64, 0))  # a window: outside the kernel's scope
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 96), torch.bfloat16, DEVICE)
+    check_against_reference(x, "triton")  # different head dims: outside
     assert not calls
 
 

@@ -351,7 +351,7 @@ def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_
 
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     """Launch the forward: (kl_rows, lse1, lse2, expect) as backends/base.py documents."""
-    if gluon_serves(problem, q1, k1, q2, k2):  # sm_90, dense, 16-bit, D=128 (gluon_forward.py)
+    if gluon_serves(problem, q1, k1, q2, k2):  # sm_90, no block masks, 16-bit, D=128 (gluon_forward.py)
         return gluon_forward.kl_forward(problem, q1, k1, q2, k2)
     varlen = problem.is_varlen
     kl_rows, lse1, lse2, expect = new_outputs(problem)
@@ -418,7 +418,7 @@ def gluon_serves(problem: Problem, q1, k1, q2, k2) -> bool:
     Gluon kernel has no split-K, and one program per query tile would leave the GPU idle)."""
     if not gluon_forward.chosen(problem, q1, k1, q2, k2):
         return False
-    programs = problem.seqlen_q // gluon_forward.BLOCK_M * problem.batch * problem.heads
+    programs = cdiv(problem.seqlen_q, gluon_forward.BLOCK_M) * problem.batch * problem.heads
     return split_count(problem, programs, cdiv(problem.seqlen_k, 128)) == 1
 
 

@@ -29,12 +29,14 @@ Gluon has no CPU interpreter, and it cannot compile in a process running TRITON_
 standard functions it calls, gl.max and others, are interpreted ones there): CI compiles it for
 sm_90a in a subprocess (`compile_for_hopper`), the GPU tests run it.
 
-Scope: dense keys (no block masks, no varlen, no window), causal or not (with Nk >= Nq), 16-bit
-inputs, equal power-of-two head dims 64 or 128 on both sides, positive scales, Nq a multiple of
-128 and Nk of the key tile, contiguous [B, N, H, D] tensors (TMA: 16-byte aligned). `applies()`
-says whether a problem fits; anything else runs the Triton kernel. Every row then has a non-empty,
-covered support on both sides (row i sees at least key 0), so no structural flags are kept; a row
-whose scores are all -inf by value reads NaN, as in the Triton kernel.
+Scope (`applies()`): no block masks and no window; dense or packed (varlen) sequences of any
+lengths (tails: a last partial query tile's rows are not written, a last partial key tile and the
+next packed sequence's keys are masked; TMA boxes past the tensor read zeros); causal or not, with
+the rows that see no key (causal with Nk < Nq, an empty key sequence) written as the SPEC's empty
+rows; GQA on either side; 16-bit inputs; equal head dims 64 or 128 on both sides; positive scales;
+contiguous tensors (TMA: 16-byte aligned). Anything else runs the Triton kernel. Both sides share
+one structure here, so no row is uncovered; a row whose scores are all -inf by value reads NaN, as
+in the Triton kernel.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import os
 
 import torch
 
-from streamkl.backends.base import new_outputs
+from streamkl.backends.base import new_outputs, write_tail_rows
 from streamkl.problem import Problem
 
 try:  # Gluon is experimental: present in triton 3.6, its API moves between releases
@@ -115,7 +117,7 @@ def applies(problem: Problem, q1, k1, q2, k2) -> bool:
     """Whether the Gluon kernel serves this problem (the module docstring's scope), on this GPU."""
     if GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda":
         return False
-    if problem.is_varlen or problem.mask1 is not None or problem.mask2 is not None:
+    if problem.mask1 is not None or problem.mask2 is not None:
         return False
     if problem.window != (-1, -1) or problem.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -123,12 +125,11 @@ def applies(problem: Problem, q1, k1, q2, k2) -> bool:
         return False
     if not (problem.scale1 > 0 and problem.scale2 > 0):
         return False
-    block_n, _ = config(problem.dim1)
-    if problem.seqlen_q % BLOCK_M or problem.seqlen_k % block_n or problem.seqlen_q == 0:
-        return False
-    if problem.causal and problem.seqlen_k < problem.seqlen_q:
+    if problem.batch * problem.heads * problem.seqlen_q == 0:
         return False
     for t in (q1, k1, q2, k2):
+        if t.numel() == 0:  # (varlen: every key sequence empty) a TMA descriptor needs a non-empty tensor
+            return False
         if not t.is_contiguous() or t.data_ptr() % 16:
             return False
     from streamkl.backends.triton.common import capability, device_index
@@ -159,50 +160,64 @@ if GLUON_IMPORT_ERROR is None:
             tma.async_copy_global_to_shared(ring2_desc, [row, ring2_col], ready.index(slot), ring2_smem.index(slot))
 
     @gluon.jit
-    def _tile_stats(r1, r2, tile, n_full, o_i, offset, scale1, scale2, m1, m2, l1, l2, acc,
-                    BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+    def _full_tile(r1, r2, scale1, scale2, m1, m2, l1, l2, acc):
+        """A key tile every key of which is allowed to every row: scales folded, the maxima on the
+        raw products, one FMA per exponent argument (forward._fold_stats)."""
+        m1_new = gl.maximum(m1, gl.max(r1, axis=1) * scale1)
+        m2_new = gl.maximum(m2, gl.max(r2, axis=1) * scale2)
+        t1s = r1 * scale1 - m1_new[:, None]
+        t2s = r2 * scale2 - m2_new[:, None]
+        e1 = gl.exp2(t1s)
+        alpha1 = gl.exp2(m1 - m1_new)
+        sum1 = gl.sum(e1, axis=1)
+        l1 = l1 * alpha1 + sum1
+        acc = acc * alpha1 + (gl.sum(e1 * (t1s - t2s), axis=1) + (m1_new - m2_new) * sum1)
+        l2 = l2 * gl.exp2(m2 - m2_new) + gl.sum(gl.exp2(t2s), axis=1)
+        return m1_new, m2_new, l1, l2, acc
+
+    @gluon.jit
+    def _tile_stats(r1, r2, tile, n_full, o_i, offset, len_k, scale1, scale2, m1, m2, l1, l2, acc,
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TAIL: gl.constexpr, col_layout: gl.constexpr):
         """The five running statistics after one key tile's raw products r1, r2, in log2 units:
-        forward._fold_stats on full tiles and forward._fwd_step's masked branch on the causal edge,
+        forward._fold_stats on full tiles and forward._fwd_step's masked branch on the others,
         written again in Gluon (a Gluon kernel cannot call those Triton functions); the three
-        change together."""
-        if tile < n_full:
-            # full tile, scales folded: the maxima on the raw products, one FMA per exponent argument
-            m1_new = gl.maximum(m1, gl.max(r1, axis=1) * scale1)
-            m2_new = gl.maximum(m2, gl.max(r2, axis=1) * scale2)
-            t1s = r1 * scale1 - m1_new[:, None]
-            t2s = r2 * scale2 - m2_new[:, None]
-            e1 = gl.exp2(t1s)
-            alpha1 = gl.exp2(m1 - m1_new)
-            sum1 = gl.sum(e1, axis=1)
-            l1 = l1 * alpha1 + sum1
-            acc = acc * alpha1 + (gl.sum(e1 * (t1s - t2s), axis=1) + (m1_new - m2_new) * sum1)
-            l2 = l2 * gl.exp2(m2 - m2_new) + gl.sum(gl.exp2(t2s), axis=1)
+        change together. Tiles from n_full on are masked: keys past the sequence's len_k keys
+        (TAIL: a last partial tile, or the next packed sequence's keys) and, causal, keys
+        j > i + offset. Without either, no masked code is compiled."""
+        if CAUSAL or TAIL:
+            if tile < n_full:
+                m1_new, m2_new, l1, l2, acc = _full_tile(r1, r2, scale1, scale2, m1, m2, l1, l2, acc)
+            else:
+                # key j is allowed to row i when j < len_k and, causal, j <= i + offset (both sides)
+                o_j = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                allowed = o_j[None, :] < len_k
+                if CAUSAL:
+                    allowed = allowed & (o_j[None, :] <= (o_i + offset)[:, None])
+                s1 = gl.where(allowed, r1 * scale1, float("-inf"))
+                s2 = gl.where(allowed, r2 * scale2, float("-inf"))
+                diff = gl.where(allowed, s1 - s2, 0.0)
+                m1_new = gl.maximum(m1, gl.max(s1, axis=1))
+                m2_new = gl.maximum(m2, gl.max(s2, axis=1))
+                shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
+                shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
+                alpha1 = gl.exp2(m1 - shift1)
+                e1 = gl.exp2(s1 - shift1[:, None])
+                l1 = l1 * alpha1 + gl.sum(e1, axis=1)
+                acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
+                l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
         else:
-            # the causal edge: key j is allowed to row i when j <= i + offset (both sides)
-            o_j = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-            allowed = o_j[None, :] <= (o_i + offset)[:, None]
-            s1 = gl.where(allowed, r1 * scale1, float("-inf"))
-            s2 = gl.where(allowed, r2 * scale2, float("-inf"))
-            diff = gl.where(allowed, s1 - s2, 0.0)
-            m1_new = gl.maximum(m1, gl.max(s1, axis=1))
-            m2_new = gl.maximum(m2, gl.max(s2, axis=1))
-            shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
-            shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
-            alpha1 = gl.exp2(m1 - shift1)
-            e1 = gl.exp2(s1 - shift1[:, None])
-            l1 = l1 * alpha1 + gl.sum(e1, axis=1)
-            acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
-            l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
+            m1_new, m2_new, l1, l2, acc = _full_tile(r1, r2, scale1, scale2, m1, m2, l1, l2, acc)
         return m1_new, m2_new, l1, l2, acc
 
     @gluon.jit
     def _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                  row0, offset, n_tiles, scale1, scale2,
+                  row0, len_q, len_k, n_tiles, scale1, scale2,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  OVERLAP: gl.constexpr):
-        """One warpgroup, 64 query rows (row0 + 64 * WG ...): the products and the online statistics
-        of every key tile, then the rows' (KL, lse1, lse2, E)."""
+                  TAIL: gl.constexpr, OVERLAP: gl.constexpr):
+        """One warpgroup, 64 query rows (row0 + 64 * WG ...) of a sequence of len_q rows against
+        len_k keys: the products and the online statistics of every key tile, then the rows'
+        (KL, lse1, lse2, E), rows past len_q not written."""
         HALF: gl.constexpr = 64
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
@@ -216,31 +231,35 @@ if GLUON_IMPORT_ERROR is None:
         l2 = gl.zeros([HALF], gl.float32, row_layout)
         acc = gl.zeros([HALF], gl.float32, row_layout)
         zero = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
-        # causal: key tiles up to n_full allow every key to every row of this warpgroup
-        n_full = n_tiles
+        offset = len_k - len_q  # causal (bottom-right aligned): row i sees keys j <= i + offset
+        # key tiles before n_full allow every key to every row of this warpgroup
+        n_full = gl.minimum(len_k // BLOCK_N, n_tiles)
         if CAUSAL:
-            n_full = gl.minimum((first + offset + 1) // BLOCK_N, n_tiles)
+            n_full = gl.minimum(gl.maximum(first + offset + 1, 0) // BLOCK_N, n_full)
         a1 = q1_smem.slice(WG * HALF, HALF)
         a2 = q2_smem.slice(WG * HALF, HALF)
         mbarrier.wait(q_bar, 0)
         if OVERLAP:
-            # the next tile's products run on the tensor cores while this tile's statistics are taken
-            mbarrier.wait(ready.index(0), 0)
-            t1 = hopper.warpgroup_mma(a1, k1_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            t2 = hopper.warpgroup_mma(a2, k2_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-            mbarrier.arrive(empty.index(0), count=1)
-            for i in range(1, n_tiles):
-                slot = i % STAGES
-                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                t1 = hopper.warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-                t2 = hopper.warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-                m1, m2, l1, l2, acc = _tile_stats(r1, r2, i - 1, n_full, o_i, offset, scale1, scale2,
-                                                  m1, m2, l1, l2, acc, BLOCK_N, col_layout)
+            if n_tiles > 0:  # (a row range past every key: no tile)
+                # the next tile's products run on the tensor cores while this tile's statistics are taken
+                mbarrier.wait(ready.index(0), 0)
+                t1 = hopper.warpgroup_mma(a1, k1_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+                t2 = hopper.warpgroup_mma(a2, k2_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
                 r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-                mbarrier.arrive(empty.index(slot), count=1)
-            m1, m2, l1, l2, acc = _tile_stats(r1, r2, n_tiles - 1, n_full, o_i, offset, scale1, scale2,
-                                              m1, m2, l1, l2, acc, BLOCK_N, col_layout)
+                mbarrier.arrive(empty.index(0), count=1)
+                for i in range(1, n_tiles):
+                    slot = i % STAGES
+                    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                    t1 = hopper.warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False,
+                                              is_async=True)
+                    t2 = hopper.warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False,
+                                              is_async=True)
+                    m1, m2, l1, l2, acc = _tile_stats(r1, r2, i - 1, n_full, o_i, offset, len_k, scale1, scale2,
+                                                      m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
+                    r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+                    mbarrier.arrive(empty.index(slot), count=1)
+                m1, m2, l1, l2, acc = _tile_stats(r1, r2, n_tiles - 1, n_full, o_i, offset, len_k, scale1, scale2,
+                                                  m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
         else:
             for i in range(n_tiles):
                 slot = i % STAGES
@@ -249,40 +268,51 @@ if GLUON_IMPORT_ERROR is None:
                 t2 = hopper.warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
                 r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                 mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
-                m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, scale1, scale2,
-                                                  m1, m2, l1, l2, acc, BLOCK_N, col_layout)
-        # finalize (SPEC 4) as the Triton kernel does, natural logs; no empty or uncovered rows here
+                m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2,
+                                                  m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
+        # finalize (SPEC 4) as the Triton kernel does, natural logs. Both sides share one structure
+        # (no masks here), so no row is uncovered; a row is empty when it sees no key (len_k == 0,
+        # or causal with i + offset < 0): KL 0, lse -inf, E 0, whatever its values
+        if CAUSAL:
+            empty_row = o_i + offset < 0
+        else:
+            empty_row = gl.full([HALF], len_k, gl.int32, row_layout) == 0
         lse1 = (m1 + gl.log2(l1)) * 0.6931471805599453
         lse2 = (m2 + gl.log2(l2)) * 0.6931471805599453
-        expect = acc / l1 * 0.6931471805599453
+        expect = gl.where(empty_row, 0.0, acc / l1 * 0.6931471805599453)
         kl = expect - ((m1 - m2) + gl.log2(l1) - gl.log2(l2)) * 0.6931471805599453
         kl = gl.where((l1 == 0.0) | (l2 == 0.0), float("nan"), kl)
+        kl = gl.where(empty_row, 0.0, kl)
         rows = o_i.to(gl.int64)
-        gl.store(KL + o_kl + rows * stride_kln, kl)
-        gl.store(LSE1 + o_stat + rows * stride_sn, lse1)
-        gl.store(LSE2 + o_stat + rows * stride_sn, lse2)
-        gl.store(EXPECT + o_stat + rows * stride_sn, expect)
+        keep = o_i < len_q
+        gl.store(KL + o_kl + rows * stride_kln, kl, mask=keep)
+        gl.store(LSE1 + o_stat + rows * stride_sn, lse1, mask=keep)
+        gl.store(LSE2 + o_stat + rows * stride_sn, lse2, mask=keep)
+        gl.store(EXPECT + o_stat + rows * stride_sn, expect, mask=keep)
 
     @gluon.jit
     def _consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                     KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                    row0, offset, n_tiles, scale1, scale2,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
+                    row0, len_q, len_k, n_tiles, scale1, scale2,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, TAIL: gl.constexpr,
+                    OVERLAP: gl.constexpr):
         _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                  row0, offset, n_tiles, scale1, scale2, 1, BLOCK_N, STAGES, CAUSAL, OVERLAP)
+                  row0, len_q, len_k, n_tiles, scale1, scale2, 1, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP)
 
     @gluon.jit
     def _kl_fwd_gluon_kernel(
-        q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [128, D] / [BLOCK_N, D]
+        q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [tokens, H * D] views, boxes [128, D] / [BLOCK_N, D]
         KL, LSE1, LSE2, EXPECT,
+        CU_Q, CU_K,  # varlen: cu_seqlens (int32); else unused
         stride_klb, stride_kln, stride_klh,
         stride_sb, stride_sh, stride_sn,
-        seqlen_q, seqlen_k, heads, group1, group2,
+        seqlen_q, seqlen_k, heads, group1, group2,  # varlen: the longest sequences
         scale1, scale2,  # scale * log2(e), both > 0
         q_programs,
         D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+        CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, VARLEN: gl.constexpr,
+        TAIL: gl.constexpr,  # varlen, or Nk not a multiple of BLOCK_N: a last key tile to mask
     ):
         # one flat grid axis, query tiles fastest, the last (longest under causality) first
         pid_bh = gl.program_id(0) // q_programs
@@ -290,10 +320,24 @@ if GLUON_IMPORT_ERROR is None:
         seq = pid_bh // heads
         head = pid_bh % heads
         row0 = pid_q * 128
-        offset = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + offset
-        n_tiles = seqlen_k // BLOCK_N
+        if VARLEN:  # packed sequences: rows start_q ..., keys start_k ...; grid sized by the longest
+            start_q = gl.load(CU_Q + seq)
+            len_q = gl.load(CU_Q + seq + 1) - start_q
+            start_k = gl.load(CU_K + seq)
+            len_k = gl.load(CU_K + seq + 1) - start_k
+            row_base = start_q.to(gl.int64)  # the outputs' rows are packed too
+        else:
+            start_q = seq * seqlen_q
+            len_q = seqlen_q
+            start_k = seq * seqlen_k
+            len_k = seqlen_k
+            row_base = 0
+        if row0 >= len_q:  # past this sequence's rows
+            return
+        offset = len_k - len_q  # causal: row i sees keys j <= i + offset
+        n_tiles = (len_k + BLOCK_N - 1) // BLOCK_N
         if CAUSAL:
-            n_tiles = gl.minimum((row0 + 128 + offset + BLOCK_N - 1) // BLOCK_N, n_tiles)
+            n_tiles = gl.minimum(gl.maximum(row0 + 128 + offset + BLOCK_N - 1, 0) // BLOCK_N, n_tiles)
 
         q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [128, D1], q1_desc.layout)
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [128, D2], q2_desc.layout)
@@ -309,18 +353,19 @@ if GLUON_IMPORT_ERROR is None:
         hopper.fence_async_shared()
 
         seq64 = seq.to(gl.int64)
-        o_kl = seq64 * stride_klb + head * stride_klh
-        o_stat = seq64 * stride_sb + head * stride_sh
-        q_row = seq * seqlen_q + row0
-        k_row = seq * seqlen_k
+        o_kl = seq64 * stride_klb + head * stride_klh + row_base * stride_kln
+        o_stat = seq64 * stride_sb + head * stride_sh + row_base * stride_sn
+        # TMA boxes may run past the sequence (into the next one: masked) or the tensor (zeros)
+        q_row = start_q + row0
+        k_row = start_k
         gl.warp_specialize(
             [
                 (_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                              KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                             row0, offset, n_tiles, scale1, scale2, 0, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
+                             row0, len_q, len_k, n_tiles, scale1, scale2, 0, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP)),
                 (_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                                KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                               row0, offset, n_tiles, scale1, scale2, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
+                               row0, len_q, len_k, n_tiles, scale1, scale2, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP)),
                 (_load_then_stream, (q1_desc, q2_desc, q1_smem, q2_smem, q_bar, q_row, head * D1, head * D2,
                                      k1_desc, k2_desc, k1_smem, k2_smem, ready, empty, k_row,
                                      (head // group1) * D1, (head // group2) * D2, n_tiles, BLOCK_N, STAGES)),
@@ -352,26 +397,36 @@ def descriptors(problem: Problem, q1, k1, q2, k2, block_n: int):
     return [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, block_n), (q2, BLOCK_M), (k2, block_n))]
 
 
-def kl_forward(problem: Problem, q1, k1, q2, k2):
-    """(kl_rows, lse1, lse2, expect) through the Gluon kernel; `applies()` must hold."""
-    overlap = OVERLAP
-    from streamkl.backends.triton.common import group_sizes, log2_scales, row_strides, stat_strides
+def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, overlap: bool):
+    """(grid, positional arguments, constexprs) of one launch: one program per (128-row query
+    tile, sequence, head), sized by the longest sequence under varlen (the others' extra programs
+    return at once)."""
+    from streamkl.backends.triton.common import cdiv, group_sizes, log2_scales, row_strides, stat_strides
 
-    kl_rows, lse1, lse2, expect = new_outputs(problem)
+    varlen = problem.is_varlen
     block_n, stages = config(problem.dim1, overlap)
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
-    q_programs = problem.seqlen_q // BLOCK_M
-    grid = (q_programs * problem.batch * problem.heads,)
-    _kl_fwd_gluon_kernel[grid](
+    q_programs = cdiv(problem.seqlen_q, BLOCK_M)
+    cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (kl_rows, kl_rows)
+    args = (
         *descriptors(problem, q1, k1, q2, k2, block_n),
-        kl_rows, lse1, lse2, expect,
-        *row_strides(kl_rows, False), *stat_strides(lse1, False),
+        kl_rows, lse1, lse2, expect, cu_q, cu_k,
+        *row_strides(kl_rows, varlen), *stat_strides(lse1, varlen),
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
         scale1, scale2, q_programs,
-        D1=problem.dim1, D2=problem.dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=problem.causal,
-        OVERLAP=overlap, num_warps=4,
-    )
+    )  # fmt: skip
+    constexprs = dict(D1=problem.dim1, D2=problem.dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=problem.causal,
+                      OVERLAP=overlap, VARLEN=varlen, TAIL=varlen or problem.seqlen_k % block_n != 0)
+    return (q_programs * problem.batch * problem.heads,), args, constexprs
+
+
+def kl_forward(problem: Problem, q1, k1, q2, k2):
+    """(kl_rows, lse1, lse2, expect) through the Gluon kernel; `applies()` must hold."""
+    kl_rows, lse1, lse2, expect = new_outputs(problem)
+    write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
+    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, OVERLAP)
+    _kl_fwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
     return kl_rows, lse1, lse2, expect
 
 
@@ -391,7 +446,8 @@ def compile_sm90(kernel, examples: dict, constexprs: dict):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, overlap: bool = False):
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, overlap: bool = False,
+                       varlen: bool = False):
     """The forward compiled for sm_90a (`compile_sm90`) at one configuration."""
     block_n, stages = config(dim, overlap)
     t = torch.empty(2, BLOCK_M, 4, dim, dtype=dtype)
@@ -400,7 +456,9 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     names = ("stride_klb", "stride_kln", "stride_klh", "stride_sb", "stride_sh", "stride_sn", "seqlen_q",
              "seqlen_k", "heads", "group1", "group2")
     examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
-    examples.update(KL=stats, LSE1=stats, LSE2=stats, EXPECT=stats, **dict.fromkeys(names, 1024))
+    cu = torch.zeros(3, dtype=torch.int32)
+    examples.update(KL=stats, LSE1=stats, LSE2=stats, EXPECT=stats, CU_Q=cu, CU_K=cu, **dict.fromkeys(names, 1024))
     examples.update(scale1=0.5, scale2=0.5, q_programs=1024)
-    constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap)
+    constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap,
+                      VARLEN=varlen, TAIL=varlen)
     return compile_sm90(_kl_fwd_gluon_kernel, examples, constexprs)
