@@ -111,6 +111,7 @@ def main():
                         help="backward modes of the bwd section: student, all, det (student, deterministic only)")
     parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
+    parser.add_argument("--gluon-parts", default="fwd,bwd", help="parts of the gluon section: fwd, bwd")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
     out = Path(args.out)
@@ -222,7 +223,8 @@ def main():
         # rows compared), then timed; an error is recorded, not raised
         from streamkl.backends.triton import gluon_forward
 
-        for d in (128, 64):
+        parts = args.gluon_parts.split(",")
+        for d in (128, 64) if "fwd" in parts else ():
             for causal in (False, True):
                 x = inputs(n, h, d)
                 gluon_forward.USE_GLUON = False
@@ -242,7 +244,7 @@ def main():
                     finally:
                         gluon_forward.USE_GLUON, gluon_forward.OVERLAP = None, False
         # the student backward (gluon_backward.py, with the plain Gluon forward) against backward.py
-        for d in (128, 64):
+        for d in (128, 64) if "bwd" in parts else ():
             for causal in (False, True):
                 xs = inputs(n, h, d, grads=(False, False, True, True))
                 try:

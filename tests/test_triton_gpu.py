@@ -619,7 +619,7 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
         (torch.float16, 128, False, 128, 128, (1, 1)),
         (torch.bfloat16, 128, True, 200, 200, (2, 2)),  # tails
         (torch.bfloat16, 128, True, 300, 130, (2, 1)),  # Nk < Nq causal: empty rows
-        (torch.float16, 64, False, 77, 1000, (1, 2)),
+        (torch.float16, 64, False, 77, 500, (1, 2)),  # (more key tiles: the split-K Triton kernel)
     ]
     for dtype, d, causal, n_q, n_k, heads_k in cases:
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), dtype, DEVICE, (False, False, True, True))

@@ -69,13 +69,16 @@ def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> boo
 if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
-    def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+    def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr):
-        """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys, dq2 contributions added."""
+        """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
+        tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
+        are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
+        D=128 each warpgroup its 64 columns, at D=64 one warpgroup all 64 (turns by tile parity)."""
         HALF: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # [keys, rows]
@@ -86,11 +89,14 @@ if GLUON_IMPORT_ERROR is None:
         o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
         ka1 = k1_smem.slice(WG * HALF, HALF)
         ka2 = k2_smem.slice(WG * HALF, HALF)
-        ds_buf = ds_smem.index(WG)
         zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # [rows, 64 of D]
         zero_q = gl.zeros([BLOCK_M, 64], gl.float32, q_layout)
+        if D > 64:  # this warpgroup's 64 columns of dq2, k2[:, cols], every tile
+            kb2 = k2_smem.slice(WG * 64, 64, dim=1)
+        else:  # D = 64: all of dq2's columns, every other tile (turns by parity)
+            kb2 = k2_smem
         dk = gl.zeros([HALF, D], gl.float32, d_layout)
         o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
         o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
@@ -113,28 +119,39 @@ if GLUON_IMPORT_ERROR is None:
                 allowed = o_j[:, None] <= (o_i + offset)[None, :]
                 p = gl.where(allowed, p, 0.0)
                 q = gl.where(allowed, q, 0.0)
-            ds_t = (g[None, :] * (q - p)).to(ds_buf.dtype)  # dS2^T [keys, rows], in the input dtype
-            # dS2^T through shared memory: dk2 += dS2^T q2 reads it as is, dq2 = dS2 k2 transposed
-            ds_buf.store(ds_t)
+            ds_t = (g[None, :] * (q - p)).to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
+            # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
+            # halves transposed. Buffer i % 2: its previous readers (tile i - 2) are done, since the
+            # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
+            ds_all = ds_smem.index(i % 2)
+            ds_own = ds_all.slice(WG * HALF, HALF)
+            ds_own.store(ds_t)
             hopper.fence_async_shared()
-            dk = hopper.warpgroup_mma(ds_buf, q2_smem.index(slot), dk, is_async=True)
+            mbarrier.arrive(ds_bar.index(i % 2), count=1)
+            dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
-            p_dq = DQ2 + o_dq + (o_qd.to(gl.int64) + (first_tile + i) * BLOCK_M)[:, None] * stride_dqn
-            for half in gl.static_range(D // 64):  # 64 columns at a time: fewer live registers
-                dq = hopper.warpgroup_mma(ds_buf.permute((1, 0)), ka2.slice(half * 64, 64, dim=1), zero_q,
-                                          use_acc=False)
-                gl.atomic_add(p_dq + (half * 64 + o_dq_col)[None, :], dq * out_scale2, sem="relaxed")
+            # a scalar 64-bit base per tile and 32-bit offsets inside it (fewer live registers)
+            p_dq = DQ2 + (o_dq + ((first_tile + i) * BLOCK_M).to(gl.int64) * stride_dqn)
+            if D > 64:
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
+                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                gl.atomic_add(p_dq + (o_qd[:, None] * stride_dqn + (WG * 64 + o_dq_col)[None, :]), dq * out_scale2,
+                              sem="relaxed")
+            elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                gl.atomic_add(p_dq + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, sem="relaxed")
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         gl.store(DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :], (dk * out_scale2).to(DK2.dtype.element_ty))
 
     @gluon.jit
-    def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+    def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                         LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+        _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, 1, D, BLOCK_M, STAGES, CAUSAL)
@@ -150,7 +167,7 @@ if GLUON_IMPORT_ERROR is None:
         seqlen_q, seqlen_k, heads, group1,
         scale1, scale2, out_scale2, k_programs,
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        DS_LAYOUT: gl.constexpr,  # shared layout of the [64, BLOCK_M] dS^T tiles
+        DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -167,11 +184,14 @@ if GLUON_IMPORT_ERROR is None:
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
-        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 64, BLOCK_M], DS_LAYOUT)
+        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)  # two buffers
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(k_bar, count=1)
+        for s in gl.static_range(2):
+            mbarrier.init(ds_bar.index(s), count=2)  # both consumer warpgroups' halves stored
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
@@ -186,12 +206,12 @@ if GLUON_IMPORT_ERROR is None:
         k_row = seq * seqlen_k + k0
         gl.warp_specialize(
             [
-                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                  LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                  stride_sn, stride_gn, stride_dqn, stride_dkn,
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  0, D, BLOCK_M, STAGES, CAUSAL)),
-                (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, k_bar, ready, empty,
+                (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
@@ -220,7 +240,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1,
         scale1, scale2, scale2 * LN2, k_programs,
     )  # fmt: skip
-    ds_layout = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl_dtype(problem.dtype))
+    ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout)
     return (k_programs * problem.batch * problem.heads,), args, constexprs
@@ -247,5 +267,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, **dict.fromkeys(names, 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
-                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl_dtype(dtype)))
+                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)))
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
