@@ -1,11 +1,18 @@
 """EXPERIMENTAL Hopper (sm_90) student backward in Gluon: the key-major pass of backward.py (dk2 in
 registers, dq2 added into a float32 buffer), warp-specialized like gluon_forward.py. Off unless
-asked for (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON = True`): correct on the H200 but measured
-1.4-1.9x SLOWER than backward.py there (sixth session, benchmarks/results/tune_h200_round11.jsonl:
-D=128 23.6 ms against 14.8 non-causal; every warpgroup adds its own 64x128 dq2 tile by element
-atomics, twice the atomic traffic of a 128-key tile, and ptxas spills). Written on a CPU-only
-machine (fifth session) and checked under triton-viz's Gluon simulator
-(`benchmarks/gluon_simulate.py --backward`).
+asked for (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON = True`). History (H200, N=16K, D=128,
+student backward; `benchmarks/results/tune_h200.md`, rounds 11-12):
+- as first written (fifth session, each warpgroup adding its own [64, D] dq2 tile): correct on the
+  GPU, 23.6 ms non-causal / 9.9 ms causal against backward.py's 14.8 / 7.8;
+- dq2 over all 128 keys of a tile (half the atomics; commit c0f362d): 15.6 / 6.8 ms, faster than
+  backward.py causal at D=128 (0.77x SDPA against 0.88x), slower elsewhere; ptxas spilled 1.0-1.5
+  KB per thread in the non-causal builds: the rows' statistics were loaded in the score layout,
+  16 elements and 16 64-bit pointers a thread for each of lse1, lse2 and g, live across the loop;
+- now (not yet timed on a GPU): those loaded one element a thread and spread by
+  gl.convert_layout, the dq2 tile's base a stepped 64-bit scalar: spills 0-128 B in all four
+  builds (checked with ptxas here), simulator unchanged.
+Written on a CPU-only machine and checked under triton-viz's Gluon simulator
+(`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
 One program = one (128-key tile, sequence, head): a producer warp loads both sides' key tiles once,
 then streams the 64-row query tiles that see them (both sides) through an mbarrier ring; two
@@ -86,6 +93,7 @@ if GLUON_IMPORT_ERROR is None:
                                                            instr_shape=[16, D, 16])  # [keys or rows, D]
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one row a thread
         o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
         ka1 = k1_smem.slice(WG * HALF, HALF)
         ka2 = k2_smem.slice(WG * HALF, HALF)
@@ -101,6 +109,10 @@ if GLUON_IMPORT_ERROR is None:
         o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
         o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
+        # the dq2 tile's rows: a 64-bit scalar base, stepped a tile at a time, and 32-bit offsets
+        # inside the tile (fewer live registers; o_dq * 0 makes the arithmetic 64-bit)
+        p_tile = DQ2 + o_dq + (o_dq * 0 + first_tile * BLOCK_M) * stride_dqn
+        dq_step = (o_dq * 0 + BLOCK_M) * stride_dqn
         mbarrier.wait(k_bar, 0)
         for i in range(n_tiles):
             slot = i % STAGES
@@ -108,9 +120,13 @@ if GLUON_IMPORT_ERROR is None:
             t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             o_i = (first_tile + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
-            lse1 = gl.load(LSE1 + o_stat + o_i.to(gl.int64) * stride_sn) * 1.4426950408889634
-            lse2 = gl.load(LSE2 + o_stat + o_i.to(gl.int64) * stride_sn) * 1.4426950408889634
-            g = gl.load(GRAD + o_grad + o_i.to(gl.int64) * stride_gn)
+            # the rows' statistics loaded one element a thread, then spread to the score layout
+            # through shared memory (loaded in that layout, 16 elements a thread, they kept 3 x 16
+            # 64-bit pointers live across the loop: ptxas spilled them)
+            o_iv = ((first_tile + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)).to(gl.int64)
+            lse1 = gl.convert_layout(gl.load(LSE1 + o_stat + o_iv * stride_sn), row_layout) * 1.4426950408889634
+            lse2 = gl.convert_layout(gl.load(LSE2 + o_stat + o_iv * stride_sn), row_layout) * 1.4426950408889634
+            g = gl.convert_layout(gl.load(GRAD + o_grad + o_iv * stride_gn), row_layout)
             g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
             st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
             p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
@@ -131,17 +147,16 @@ if GLUON_IMPORT_ERROR is None:
             dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
-            # a scalar 64-bit base per tile and 32-bit offsets inside it (fewer live registers)
-            p_dq = DQ2 + (o_dq + ((first_tile + i) * BLOCK_M).to(gl.int64) * stride_dqn)
             if D > 64:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                gl.atomic_add(p_dq + (o_qd[:, None] * stride_dqn + (WG * 64 + o_dq_col)[None, :]), dq * out_scale2,
+                gl.atomic_add(p_tile + (o_qd[:, None] * stride_dqn + (WG * 64 + o_dq_col)[None, :]), dq * out_scale2,
                               sem="relaxed")
             elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                gl.atomic_add(p_dq + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, sem="relaxed")
+                gl.atomic_add(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, sem="relaxed")
+            p_tile += dq_step
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         gl.store(DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :], (dk * out_scale2).to(DK2.dtype.element_ty))
 
