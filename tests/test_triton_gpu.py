@@ -498,6 +498,24 @@ def test_atomic_head_chunk_choice(monkeypatch):
     assert chunks(12, (3, 12), 1024) == 1  # teacher groups of 4: 3 groups do not halve
 
 
+@gpu
+def test_inputs_on_a_gpu_that_is_not_the_current_one():
+    """Inputs on cuda:1 while cuda:0 is the current device: the kernels launch on the inputs' GPU
+    (Triton launches on the current device's stream; the backend switches to the inputs' device).
+    Needs two GPUs (written in the sixth session without a two-GPU run)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(0)
+    try:
+        for dims, causal in (((128, 128), True), ((64, 64), False), ((128, 64), True)):
+            x = make_inputs((2, 200), (2, 256), 4, (4, 2), dims, torch.bfloat16, "cuda:1")
+            check_against_reference(x, "triton", causal=causal)
+        assert torch.cuda.current_device() == 0
+    finally:
+        torch.cuda.set_device(previous)
+
+
 # ------------------------------------------------------------------ the Gluon forward (default at D=128 on sm_90)
 def _gluon():
     from streamkl.backends.triton import gluon_forward

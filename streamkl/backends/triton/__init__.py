@@ -97,9 +97,25 @@ class TritonBackend(Backend):
     def forward(self, problem: Problem, q1, k1, q2, k2, schedule):
         from streamkl.backends.triton.forward import kl_forward
 
-        return kl_forward(problem, q1, k1, q2, k2, schedule)
+        with _inputs_device(problem):
+            return kl_forward(problem, q1, k1, q2, k2, schedule)
 
     def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
         from streamkl.backends.triton.backward import kl_backward
 
-        return kl_backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs)
+        with _inputs_device(problem):
+            return kl_backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs)
+
+
+def _inputs_device(problem: Problem):
+    """The inputs' GPU as the current device while launching: Triton launches on the current
+    device's current stream, so inputs on another GPU (cuda:1 while cuda:0 is current) would be
+    read from the wrong device. A no-op (no context switch) when they are on the current one."""
+    import contextlib
+
+    import torch
+
+    device = problem.device
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
