@@ -149,9 +149,11 @@ def _adjust_simulator():
     return triton_viz, Quiet
 
 
-def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, overlap, dtype=torch.float16):
+def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, overlap, dtype=torch.float16,
+             masks=None, window=(-1, -1)):
     """One forward problem against float64. `batch` an int: dense [B, N, H, D] inputs of n_q / n_k
-    tokens; a list of (len_q, len_k): packed sequences (varlen; n_q, n_k unused)."""
+    tokens; a list of (len_q, len_k): packed sequences (varlen; n_q, n_k unused). masks: block
+    densities (side 1, side 2) of random 128-block masks (dense inputs), or None."""
     from streamkl.backends.base import new_outputs, write_tail_rows
     from streamkl.backends.triton import gluon_forward
     from streamkl.problem import build_problem
@@ -170,10 +172,25 @@ def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, o
     q1, q2 = (torch.randn(*shape_q, heads, dim, generator=g).to(dtype) for _ in range(2))
     k1 = torch.randn(*shape_k, heads_k[0], dim, generator=g).to(dtype)
     k2 = torch.randn(*shape_k, heads_k[1], dim, generator=g).to(dtype)
+    if masks is not None:
+        from streamkl.sparse.block_mask import BlockMask
+
+        blocks = (-(-n_q // 128), -(-n_k // 128))
+        kwargs["mask1"], kwargs["mask2"] = (
+            BlockMask.from_dense(torch.rand(1, heads, *blocks, generator=g) < density, 128) for density in masks
+        )
+    if window != (-1, -1):
+        kwargs["window"] = window
     problem = build_problem(q1, k1, q2, k2, causal=causal, **kwargs)
+    schedule = None
+    if gluon_forward.listed(problem):
+        from streamkl.sparse.schedule import get_schedule
+
+        schedule = get_schedule(problem, 128, 128)
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)
-    grid, args, constexprs = gluon_forward.launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, overlap)
+    grid, args, constexprs = gluon_forward.launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, overlap,
+                                                       schedule)
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_forward._kl_fwd_gluon_kernel)
     start = time.time()
     kernel[grid](*args, **constexprs, num_warps=4)
@@ -188,6 +205,8 @@ def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, o
 
     errors = err(kl_rows, ref), err(lse1, ref1), err(lse2, ref2)
     what = f"varlen {batch}" if isinstance(batch, list) else f"B{batch} Nq{n_q} Nk{n_k}"
+    what += f" masks {masks}" if masks is not None else ""
+    what += f" window {window}" if window != (-1, -1) else ""
     print(f"{what} H{heads} Hk{heads_k[0]}x{heads_k[1]} D{dim} causal={causal} overlap={overlap} "
           f"TAIL={constexprs['TAIL']}: relative L2 error kl {errors[0]:.1e}, lse1 {errors[1]:.1e}, "
           f"lse2 {errors[2]:.1e} ({time.time() - start:.1f} s)", flush=True)
@@ -248,10 +267,17 @@ def main():
         ([(130, 130), (64, 0), (1, 1), (256, 200)], 0, 0, 2, (1, 2), 64, True, False),
         ([(130, 130), (64, 0), (1, 1), (256, 300)], 0, 0, 2, (2, 2), 64, False, False),
         ([(200, 260), (0, 5), (70, 70)], 0, 0, 2, (2, 1), 64, True, True),
+        # block masks and windows (the schedule's lists; sixth session): side 2 sparser than side 1
+        # (uncovered rows: KL inf), a side with no block in some rows (empty rows), tails, causal
+        (2, 384, 512, 2, (1, 2), 64, False, False, torch.float16, (0.6, 0.4)),
+        (1, 300, 500, 2, (2, 2), 64, True, False, torch.float16, (0.7, 0.7)),
+        (1, 384, 384, 2, (2, 1), 64, False, False, torch.float16, (0.3, 0.9)),
+        (1, 256, 320, 2, (2, 2), 64, False, False, torch.float16, None, (100, 30)),
+        (1, 256, 256, 2, (2, 2), 64, True, False, torch.float16, None, (64, -1)),
     ]
     if "--backward" not in sys.argv:
         if "--new" in sys.argv:  # only the cases added last
-            cases = cases[8:]
+            cases = cases[14:]
         worst = max(simulate(triton_viz, client, *case) for case in cases)
         print(f"worst relative error {worst:.1e}")
         sys.exit(0 if worst < 1e-5 else 1)

@@ -572,6 +572,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     x = make_inputs((1, 128), (1, 65536), 1, (1, 1), (128, 128), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton", causal=True)
     assert len(calls) == 2  # one query tile against 512 key tiles: the split-K Triton kernel
+    mask = streamkl.BlockMask.from_dense(torch.ones(1, 1, 2, 2, dtype=torch.bool, device=DEVICE), 128)
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE)
+    check_against_reference(x, "triton", mask1=mask, mask2=mask)
+    assert len(calls) == 2  # block masks: the Triton kernel by default (Gluon's lists not yet timed)
     monkeypatch.setenv("STREAMKL_GLUON", "0")
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE)
     check_against_reference(x, "triton")
@@ -581,8 +585,9 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
 @pytest.mark.parametrize(
     "config",
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, 128, True, "varlen"),
-     (torch.bfloat16, 128, True, None)],
-    ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128-causal-varlen", "backward-bf16-D128-causal"],
+     (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None)],
+    ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128-causal-varlen", "bf16-D128-causal-listed",
+         "backward-bf16-D128-causal"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -598,6 +603,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call})"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
+    elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
+        call = f"g.compile_for_hopper({call}, False, True, True)"
     else:
         call = f"g.compile_for_hopper({call}, {overlap})"
     code = (
@@ -651,6 +658,25 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
                         (False, False, True, True))
         check_against_reference(x, "triton", causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
     assert len(calls) == len(cases) + 3
+    # block masks (side 2 sparser: uncovered rows; rows without blocks: empty) and windows, through
+    # the schedule's key-tile lists (plain variant only; NOT yet run on a GPU when written)
+    if not overlap:
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        for (n_q, n_k), causal, densities, window in (
+            ((384, 512), False, (0.6, 0.4), (-1, -1)),
+            ((300, 500), True, (0.7, 0.7), (-1, -1)),
+            ((256, 320), False, None, (100, 30)),
+        ):
+            x = make_inputs((2, n_q), (2, n_k), 4, (2, 4), (128, 128), torch.bfloat16, DEVICE)
+            kwargs = dict(causal=causal, window=window)
+            if densities is not None:
+                blocks = (-(-n_q // 128), -(-n_k // 128))
+                kwargs["mask1"], kwargs["mask2"] = (
+                    streamkl.BlockMask.from_dense(torch.rand(2, 4, *blocks, device=DEVICE, generator=g) < d, 128)
+                    for d in densities
+                )
+            check_against_reference(x, "triton", **kwargs)
+        assert len(calls) == len(cases) + 6
     # against the Triton kernel at a longer length (float32 statistics: same up to summation order)
     x = make_inputs((1, 2048), (1, 2048), 8, (8, 2), (128, 128), torch.bfloat16, DEVICE)
     for causal in (False, True):
@@ -661,7 +687,8 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
         assert rel_l2(out, ref) < 1e-4 and rel_l2(lse1, ref1) < 1e-6 and rel_l2(lse2, ref2) < 1e-6
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE)
-    check_against_reference(x, "triton", window=(64, 0))  # a window: outside the kernel's scope
+    mask = streamkl.BlockMask.from_dense(torch.ones(1, 1, 4, 4, dtype=torch.bool, device=DEVICE), 64)
+    check_against_reference(x, "triton", mask1=mask)  # 64-blocks: smaller than the kernel's tiles
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 96), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton")  # different head dims: outside
     assert not calls

@@ -351,8 +351,8 @@ def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_
 
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     """Launch the forward: (kl_rows, lse1, lse2, expect) as backends/base.py documents."""
-    if gluon_serves(problem, q1, k1, q2, k2):  # sm_90, no block masks, 16-bit, D=128 (gluon_forward.py)
-        return gluon_forward.kl_forward(problem, q1, k1, q2, k2)
+    if gluon_serves(problem, q1, k1, q2, k2, schedule):  # sm_90, 16-bit, D=128 (gluon_forward.py)
+        return gluon_forward.kl_forward(problem, q1, k1, q2, k2, schedule)
     varlen = problem.is_varlen
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     # every row of a sequence is written by its program; varlen rows past cu_seqlens[-1] are not
@@ -412,11 +412,14 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     return kl_rows, lse1, lse2, expect
 
 
-def gluon_serves(problem: Problem, q1, k1, q2, k2) -> bool:
+def gluon_serves(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule) -> bool:
     """Whether the warp-specialized Gluon forward runs this problem (`gluon_forward.chosen`), unless
     its grid is one this kernel would split over the keys (a few query tiles against many keys: the
-    Gluon kernel has no split-K, and one program per query tile would leave the GPU idle)."""
+    Gluon kernel has no split-K, and one program per query tile would leave the GPU idle), or its
+    block masks / window come with a schedule of other tiles than the kernel's 128 x 128."""
     if not gluon_forward.chosen(problem, q1, k1, q2, k2):
+        return False
+    if gluon_forward.listed(problem) and (schedule.block_q, schedule.block_k) != (gluon_forward.BLOCK_M, 128):
         return False
     programs = cdiv(problem.seqlen_q, gluon_forward.BLOCK_M) * problem.batch * problem.heads
     return split_count(problem, programs, cdiv(problem.seqlen_k, 128)) == 1

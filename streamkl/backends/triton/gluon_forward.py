@@ -29,7 +29,13 @@ Gluon has no CPU interpreter, and it cannot compile in a process running TRITON_
 standard functions it calls, gl.max and others, are interpreted ones there): CI compiles it for
 sm_90a in a subprocess (`compile_for_hopper`), the GPU tests run it.
 
-Scope (`applies()`): no block masks and no window; dense or packed (varlen) sequences of any
+Block masks and windows (`listed`; forced only, written in the sixth session after its last GPU
+run, checked under the simulator): the kernel walks the schedule's key-tile lists (128 x 128
+tiles; mask blocks of at least 128), the producer loading the listed tiles, the consumers masking
+the partial ones as their flags say (forward._fwd_step's rules: uncovered rows read +inf, rows
+without a side-1 key are empty); plain variant only.
+
+Scope (`applies()`): dense or packed (varlen) sequences of any
 lengths (tails: a last partial query tile's rows are not written, a last partial key tile and the
 next packed sequence's keys are masked; TMA boxes past the tensor read zeros); causal or not, with
 the rows that see no key (causal with Nk < Nq, an empty key sequence) written as the SPEC's empty
@@ -87,11 +93,17 @@ def enabled() -> bool:
     return setting() is True
 
 
+def listed(problem: Problem) -> bool:
+    """Block masks or a window: the kernel walks the schedule's key-tile lists (LISTED)."""
+    return problem.mask1 is not None or problem.mask2 is not None or problem.window != (-1, -1)
+
+
 def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
     """Whether the forward of this problem runs the Gluon kernel: where it applies, at head dim
-    128 by default (measured faster there), at 64 too when forced."""
+    128 without block masks or a window by default (measured faster there), everywhere it
+    applies when forced (head dim 64; block masks and windows: NOT yet run on a GPU)."""
     use = setting()
-    if use is False or (use is None and problem.dim1 != 128):
+    if use is False or (use is None and (problem.dim1 != 128 or listed(problem))):
         return False
     return applies(problem, q1, k1, q2, k2)
 
@@ -117,10 +129,14 @@ def applies(problem: Problem, q1, k1, q2, k2) -> bool:
     """Whether the Gluon kernel serves this problem (the module docstring's scope), on this GPU."""
     if GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda":
         return False
-    if problem.mask1 is not None or problem.mask2 is not None:
+    if problem.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if problem.window != (-1, -1) or problem.dtype not in (torch.float16, torch.bfloat16):
-        return False
+    if listed(problem):  # the plain variant's 128-key tiles, which must not straddle a mask block
+        if OVERLAP:
+            return False
+        for mask in (problem.mask1, problem.mask2):
+            if mask is not None and (mask.block_q < BLOCK_M or mask.block_k < 128):
+                return False
     if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128):
         return False
     if not (problem.scale1 > 0 and problem.scale2 > 0):
@@ -142,11 +158,13 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _load_then_stream(once1_desc, once2_desc, once1_smem, once2_smem, once_bar, once_row, once1_col, once2_col,
                           ring1_desc, ring2_desc, ring1_smem, ring2_smem, ready, empty, ring_row, ring1_col,
-                          ring2_col, n_tiles, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+                          ring2_col, n_tiles, index, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                          INDEXED: gl.constexpr):
         """The producer warp of both Gluon kernels: one tile of each side loaded once (the forward's
         queries, the backward's keys), then n_tiles tiles of each side, BLOCK rows apart from
         ring_row, streamed through the ring of STAGES slots (`ready` when a slot's bytes have
-        landed, `empty` when its consumers have read it)."""
+        landed, `empty` when its consumers have read it). INDEXED: tile i is the index[i]-th tile
+        (a schedule's key-tile list), else the i-th."""
         mbarrier.expect(once_bar, once1_desc.block_type.nbytes + once2_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(once1_desc, [once_row, once1_col], once_bar, once1_smem)
         tma.async_copy_global_to_shared(once2_desc, [once_row, once2_col], once_bar, once2_smem)
@@ -155,7 +173,10 @@ if GLUON_IMPORT_ERROR is None:
             # a slot's first use waits for nothing; its n-th reuse for the consumers' n-th release
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             mbarrier.expect(ready.index(slot), ring1_desc.block_type.nbytes + ring2_desc.block_type.nbytes)
-            row = ring_row + i * BLOCK
+            if INDEXED:
+                row = ring_row + gl.load(index + i) * BLOCK
+            else:
+                row = ring_row + i * BLOCK
             tma.async_copy_global_to_shared(ring1_desc, [row, ring1_col], ready.index(slot), ring1_smem.index(slot))
             tma.async_copy_global_to_shared(ring2_desc, [row, ring2_col], ready.index(slot), ring2_smem.index(slot))
 
@@ -210,14 +231,55 @@ if GLUON_IMPORT_ERROR is None:
         return m1_new, m2_new, l1, l2, acc
 
     @gluon.jit
+    def _listed_tile_stats(r1, r2, visit, n_full, index, flags_list, o_i, len_q, len_k, window_left, window_right,
+                           scale1, scale2, m1, m2, l1, l2, acc, row_flags,
+                           BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
+        """`_tile_stats` for a schedule's key-tile list (block masks, windows): the visit-th listed
+        tile, full (no masks) before n_full, else masked as its flags say, as forward._fwd_step and
+        common._partial_allowed do: sequence bounds, causality and the window (causality folded
+        into window_right, -1 unbounded), less the sides whose block pattern is off for the tile
+        (OFF1 = 2, OFF2 = 4; the tile never straddles a mask block). row_flags: bit 0 a key
+        allowed on side 1 only (uncovered row), bit 1 a key allowed on side 1."""
+        if visit < n_full:
+            m1_new, m2_new, l1, l2, acc = _full_tile(r1, r2, scale1, scale2, m1, m2, l1, l2, acc)
+        else:
+            tile_flags = gl.load(flags_list + visit).to(gl.int32)
+            o_j = gl.load(index + visit) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+            b_i = o_i[:, None]
+            b_j = o_j[None, :]
+            offset = len_k - len_q
+            allowed = (b_i < len_q) & (b_j < len_k)
+            allowed = allowed & ((window_left < 0) | (b_j >= b_i + offset - window_left))
+            allowed = allowed & ((window_right < 0) | (b_j <= b_i + offset + window_right))
+            a1 = allowed & ((tile_flags & 2) == 0)
+            a2 = allowed & ((tile_flags & 4) == 0)
+            s1 = gl.where(a1, r1 * scale1, float("-inf"))
+            s2 = gl.where(a2, r2 * scale2, float("-inf"))
+            diff = gl.where(a1 & a2, s1 - s2, 0.0)
+            only1 = gl.max((a1 & ~a2).to(gl.int32), axis=1)
+            row_flags = row_flags | only1 | (gl.max(a1.to(gl.int32), axis=1) * 2)
+            m1_new = gl.maximum(m1, gl.max(s1, axis=1))
+            m2_new = gl.maximum(m2, gl.max(s2, axis=1))
+            shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
+            shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
+            alpha1 = gl.exp2(m1 - shift1)
+            e1 = gl.exp2(s1 - shift1[:, None])
+            l1 = l1 * alpha1 + gl.sum(e1, axis=1)
+            acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
+            l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
+        return m1_new, m2_new, l1, l2, acc, row_flags
+
+    @gluon.jit
     def _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                   row0, len_q, len_k, n_tiles, scale1, scale2,
+                  n_full_listed, index, flags_list, window_left, window_right,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  TAIL: gl.constexpr, OVERLAP: gl.constexpr):
+                  TAIL: gl.constexpr, OVERLAP: gl.constexpr, LISTED: gl.constexpr):
         """One warpgroup, 64 query rows (row0 + 64 * WG ...) of a sequence of len_q rows against
         len_k keys: the products and the online statistics of every key tile, then the rows'
-        (KL, lse1, lse2, E), rows past len_q not written."""
+        (KL, lse1, lse2, E), rows past len_q not written. LISTED: the key tiles are a schedule's
+        list (index, flags_list; the first n_full_listed full), with the plain variant only."""
         HALF: gl.constexpr = 64
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
@@ -230,6 +292,7 @@ if GLUON_IMPORT_ERROR is None:
         l1 = gl.zeros([HALF], gl.float32, row_layout)
         l2 = gl.zeros([HALF], gl.float32, row_layout)
         acc = gl.zeros([HALF], gl.float32, row_layout)
+        row_flags = gl.zeros([HALF], gl.int32, row_layout)  # LISTED: bit 0 uncovered, bit 1 side-1 key
         zero = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         offset = len_k - len_q  # causal (bottom-right aligned): row i sees keys j <= i + offset
         # key tiles before n_full allow every key to every row of this warpgroup
@@ -268,12 +331,20 @@ if GLUON_IMPORT_ERROR is None:
                 t2 = hopper.warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
                 r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                 mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
-                m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2,
-                                                  m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
+                if LISTED:
+                    m1, m2, l1, l2, acc, row_flags = _listed_tile_stats(
+                        r1, r2, i, n_full_listed, index, flags_list, o_i, len_q, len_k, window_left, window_right,
+                        scale1, scale2, m1, m2, l1, l2, acc, row_flags, BLOCK_N, col_layout)
+                else:
+                    m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2,
+                                                      m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
         # finalize (SPEC 4) as the Triton kernel does, natural logs. Both sides share one structure
         # (no masks here), so no row is uncovered; a row is empty when it sees no key (len_k == 0,
         # or causal with i + offset < 0): KL 0, lse -inf, E 0, whatever its values
-        if CAUSAL:
+        if LISTED:  # from the structure the schedule and the masked tiles saw (full tiles: bit 1)
+            row_flags = row_flags | gl.where(n_full_listed > 0, 2, 0)
+            empty_row = (row_flags & 2) == 0
+        elif CAUSAL:
             empty_row = o_i + offset < 0
         else:
             empty_row = gl.full([HALF], len_k, gl.int32, row_layout) == 0
@@ -282,6 +353,8 @@ if GLUON_IMPORT_ERROR is None:
         expect = gl.where(empty_row, 0.0, acc / l1 * 0.6931471805599453)
         kl = expect - ((m1 - m2) + gl.log2(l1) - gl.log2(l2)) * 0.6931471805599453
         kl = gl.where((l1 == 0.0) | (l2 == 0.0), float("nan"), kl)
+        if LISTED:
+            kl = gl.where((row_flags & 1) != 0, float("inf"), kl)  # E stays finite: the backward needs it
         kl = gl.where(empty_row, 0.0, kl)
         rows = o_i.to(gl.int64)
         keep = o_i < len_q
@@ -294,25 +367,33 @@ if GLUON_IMPORT_ERROR is None:
     def _consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                     KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                     row0, len_q, len_k, n_tiles, scale1, scale2,
+                    n_full_listed, index, flags_list, window_left, window_right,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, TAIL: gl.constexpr,
-                    OVERLAP: gl.constexpr):
+                    OVERLAP: gl.constexpr, LISTED: gl.constexpr):
         _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                  row0, len_q, len_k, n_tiles, scale1, scale2, 1, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP)
+                  row0, len_q, len_k, n_tiles, scale1, scale2,
+                  n_full_listed, index, flags_list, window_left, window_right,
+                  1, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED)
 
     @gluon.jit
     def _kl_fwd_gluon_kernel(
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [tokens, H * D] views, boxes [128, D] / [BLOCK_N, D]
         KL, LSE1, LSE2, EXPECT,
         CU_Q, CU_K,  # varlen: cu_seqlens (int32); else unused
+        KV_COUNT, KV_FULL, KV_INDEX, KV_FLAGS,  # LISTED: the schedule (sparse/schedule.py); else unused
         stride_klb, stride_kln, stride_klh,
         stride_sb, stride_sh, stride_sn,
+        stride_cs, stride_ch, stride_ct,  # the schedule's counts [S', H', nQ] (broadcast strides)
+        stride_is, stride_ih, stride_it,  # its lists [S', H', nQ, nK], the last dim contiguous
+        window_left, window_right,  # LISTED: causality folded into window_right; -1 unbounded
         seqlen_q, seqlen_k, heads, group1, group2,  # varlen: the longest sequences
         scale1, scale2,  # scale * log2(e), both > 0
         q_programs,
         D1: gl.constexpr, D2: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, VARLEN: gl.constexpr,
         TAIL: gl.constexpr,  # varlen, or Nk not a multiple of BLOCK_N: a last key tile to mask
+        LISTED: gl.constexpr,  # block masks or a window: walk the schedule's key-tile lists
     ):
         # one flat grid axis, query tiles fastest, the last (longest under causality) first
         pid_bh = gl.program_id(0) // q_programs
@@ -335,9 +416,20 @@ if GLUON_IMPORT_ERROR is None:
         if row0 >= len_q:  # past this sequence's rows
             return
         offset = len_k - len_q  # causal: row i sees keys j <= i + offset
-        n_tiles = (len_k + BLOCK_N - 1) // BLOCK_N
-        if CAUSAL:
-            n_tiles = gl.minimum(gl.maximum(row0 + 128 + offset + BLOCK_N - 1, 0) // BLOCK_N, n_tiles)
+        if LISTED:  # this query tile's visited key tiles, full ones first
+            o_count = seq * stride_cs + head * stride_ch + pid_q * stride_ct
+            n_tiles = gl.load(KV_COUNT + o_count)
+            n_full_listed = gl.load(KV_FULL + o_count)
+            o_list = seq.to(gl.int64) * stride_is + head * stride_ih + pid_q * stride_it
+            index = KV_INDEX + o_list
+            flags_list = KV_FLAGS + o_list
+        else:
+            n_tiles = (len_k + BLOCK_N - 1) // BLOCK_N
+            if CAUSAL:
+                n_tiles = gl.minimum(gl.maximum(row0 + 128 + offset + BLOCK_N - 1, 0) // BLOCK_N, n_tiles)
+            n_full_listed = n_tiles
+            index = KV_INDEX
+            flags_list = KV_FLAGS
 
         q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [128, D1], q1_desc.layout)
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [128, D2], q2_desc.layout)
@@ -362,13 +454,18 @@ if GLUON_IMPORT_ERROR is None:
             [
                 (_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                              KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                             row0, len_q, len_k, n_tiles, scale1, scale2, 0, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP)),
+                             row0, len_q, len_k, n_tiles, scale1, scale2,
+                             n_full_listed, index, flags_list, window_left, window_right,
+                             0, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED)),
                 (_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                                KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
-                               row0, len_q, len_k, n_tiles, scale1, scale2, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP)),
+                               row0, len_q, len_k, n_tiles, scale1, scale2,
+                               n_full_listed, index, flags_list, window_left, window_right,
+                               BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED)),
                 (_load_then_stream, (q1_desc, q2_desc, q1_smem, q2_smem, q_bar, q_row, head * D1, head * D2,
                                      k1_desc, k2_desc, k1_smem, k2_smem, ready, empty, k_row,
-                                     (head // group1) * D1, (head // group2) * D2, n_tiles, BLOCK_N, STAGES)),
+                                     (head // group1) * D1, (head // group2) * D2, n_tiles, index, BLOCK_N, STAGES,
+                                     LISTED)),
             ],
             [4, 1],
             [232, 40],
@@ -397,11 +494,19 @@ def descriptors(problem: Problem, q1, k1, q2, k2, block_n: int):
     return [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, block_n), (q2, BLOCK_M), (k2, block_n))]
 
 
-def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, overlap: bool):
+def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, overlap: bool, schedule=None):
     """(grid, positional arguments, constexprs) of one launch: one program per (128-row query
     tile, sequence, head), sized by the longest sequence under varlen (the others' extra programs
-    return at once)."""
-    from streamkl.backends.triton.common import cdiv, group_sizes, log2_scales, row_strides, stat_strides
+    return at once). Block masks or a window (`listed`): `schedule` must have 128 x 128 tiles."""
+    from streamkl.backends.triton.common import (
+        broadcast_strides,
+        cdiv,
+        group_sizes,
+        log2_scales,
+        row_strides,
+        stat_strides,
+        window_bounds,
+    )
 
     varlen = problem.is_varlen
     block_n, stages = config(problem.dim1, overlap)
@@ -409,23 +514,33 @@ def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, o
     scale1, scale2 = log2_scales(problem)
     q_programs = cdiv(problem.seqlen_q, BLOCK_M)
     cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (kl_rows, kl_rows)
+    is_listed = listed(problem)
+    if is_listed:
+        assert schedule is not None and (schedule.block_q, schedule.block_k) == (BLOCK_M, block_n)
+        lists = (schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial)
+        list_strides = (*broadcast_strides(schedule.kv_count), *broadcast_strides(schedule.kv_index)[:3])
+        window = window_bounds(problem)
+    else:
+        lists, list_strides, window = (kl_rows,) * 4, (0,) * 6, (-1, -1)
     args = (
         *descriptors(problem, q1, k1, q2, k2, block_n),
-        kl_rows, lse1, lse2, expect, cu_q, cu_k,
-        *row_strides(kl_rows, varlen), *stat_strides(lse1, varlen),
+        kl_rows, lse1, lse2, expect, cu_q, cu_k, *lists,
+        *row_strides(kl_rows, varlen), *stat_strides(lse1, varlen), *list_strides, *window,
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
         scale1, scale2, q_programs,
     )  # fmt: skip
     constexprs = dict(D1=problem.dim1, D2=problem.dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=problem.causal,
-                      OVERLAP=overlap, VARLEN=varlen, TAIL=varlen or problem.seqlen_k % block_n != 0)
+                      OVERLAP=overlap, VARLEN=varlen, TAIL=varlen or problem.seqlen_k % block_n != 0,
+                      LISTED=is_listed)
     return (q_programs * problem.batch * problem.heads,), args, constexprs
 
 
-def kl_forward(problem: Problem, q1, k1, q2, k2):
-    """(kl_rows, lse1, lse2, expect) through the Gluon kernel; `applies()` must hold."""
+def kl_forward(problem: Problem, q1, k1, q2, k2, schedule=None):
+    """(kl_rows, lse1, lse2, expect) through the Gluon kernel; `applies()` must hold (and, with
+    block masks or a window, a schedule of 128 x 128 tiles be given)."""
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
-    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, OVERLAP)
+    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, OVERLAP, schedule)
     _kl_fwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
     return kl_rows, lse1, lse2, expect
 
@@ -447,7 +562,7 @@ def compile_sm90(kernel, examples: dict, constexprs: dict):
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, overlap: bool = False,
-                       varlen: bool = False):
+                       varlen: bool = False, listed: bool = False):
     """The forward compiled for sm_90a (`compile_sm90`) at one configuration."""
     block_n, stages = config(dim, overlap)
     t = torch.empty(2, BLOCK_M, 4, dim, dtype=dtype)
@@ -457,8 +572,12 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
              "seqlen_k", "heads", "group1", "group2")
     examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
     cu = torch.zeros(3, dtype=torch.int32)
-    examples.update(KL=stats, LSE1=stats, LSE2=stats, EXPECT=stats, CU_Q=cu, CU_K=cu, **dict.fromkeys(names, 1024))
+    lists = dict(KV_COUNT=cu, KV_FULL=cu, KV_INDEX=cu, KV_FLAGS=torch.zeros(3, dtype=torch.int8))
+    examples.update(KL=stats, LSE1=stats, LSE2=stats, EXPECT=stats, CU_Q=cu, CU_K=cu, **lists)
+    list_names = ("stride_cs", "stride_ch", "stride_ct", "stride_is", "stride_ih", "stride_it", "window_left",
+                  "window_right")
+    examples.update(**dict.fromkeys(names[:6], 1024), **dict.fromkeys(list_names, 7), **dict.fromkeys(names[6:], 1024))
     examples.update(scale1=0.5, scale2=0.5, q_programs=1024)
     constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap,
-                      VARLEN=varlen, TAIL=varlen)
+                      VARLEN=varlen, TAIL=varlen, LISTED=listed)
     return compile_sm90(_kl_fwd_gluon_kernel, examples, constexprs)
