@@ -213,9 +213,11 @@ def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, o
     return max(errors)
 
 
-def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim, causal, dtype=torch.float16):
+def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim, causal, dtype=torch.float16,
+                      masks=None, window=(-1, -1)):
     """The Gluon student backward (dq2, dk2) against the float64 reference's gradients, with the
-    saved statistics of the float64 forward and a random upstream gradient per row."""
+    saved statistics of the float64 forward and a random upstream gradient per row (0 on rows whose
+    KL is infinite, as the GPU tests do). masks: block densities of random 128-block masks."""
     from streamkl.backends.triton import gluon_backward
     from streamkl.problem import build_problem
     from streamkl.reference import reference_kl
@@ -224,15 +226,32 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     q1, q2 = (torch.randn(batch, n_q, heads, dim, generator=g).to(dtype) for _ in range(2))
     k1 = torch.randn(batch, n_k, heads_k1, dim, generator=g).to(dtype)
     k2 = torch.randn(batch, n_k, heads, dim, generator=g).to(dtype)
-    problem = build_problem(q1, k1, q2, k2, causal=causal)
+    kwargs = {}
+    if masks is not None:
+        from streamkl.sparse.block_mask import BlockMask
+
+        blocks = (n_q // 128, n_k // 128)
+        kwargs["mask1"], kwargs["mask2"] = (
+            BlockMask.from_dense(torch.rand(1, heads, *blocks, generator=g) < density, 128) for density in masks
+        )
+    if window != (-1, -1):
+        kwargs["window"] = window
+    problem = build_problem(q1, k1, q2, k2, causal=causal, **kwargs)
+    schedule = None
+    if gluon_backward.listed(problem):
+        from streamkl.sparse.schedule import get_schedule
+
+        schedule = get_schedule(problem, 128, 128)
     leaves = [t.double().requires_grad_(i >= 2) for i, t in enumerate((q1, k1, q2, k2))]
-    ref, lse1, lse2 = reference_kl(*leaves, causal=causal)
-    upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref, lse1, lse2 = reference_kl(*leaves, causal=causal, **kwargs)
+    upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64) * ref.isfinite()
+    ref = ref.nan_to_num(posinf=0.0)
     ref_dq2, ref_dk2 = torch.autograd.grad((ref * upstream).sum(), leaves[2:])
     dq2 = torch.zeros(q2.shape, dtype=torch.float32)
     dk2 = torch.empty_like(k2)
     grid, args, constexprs = gluon_backward.launch_args(
-        problem, q1, k1, q2, k2, lse1.float().contiguous(), lse2.float().contiguous(), upstream.float(), dq2, dk2
+        problem, q1, k1, q2, k2, lse1.float().contiguous(), lse2.float().contiguous(), upstream.float(), dq2, dk2,
+        schedule,
     )
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
     start = time.time()
@@ -242,7 +261,8 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
         return ((a.double() - e).norm() / e.norm()).item()
 
     errors = err(dq2, ref_dq2), err(dk2, ref_dk2)
-    print(f"backward B{batch} Nq{n_q} Nk{n_k} H{heads} Hk1 {heads_k1} D{dim} causal={causal}: relative L2 error "
+    extra = (f" masks {masks}" if masks is not None else "") + (f" window {window}" if window != (-1, -1) else "")
+    print(f"backward B{batch} Nq{n_q} Nk{n_k} H{heads} Hk1 {heads_k1} D{dim} causal={causal}{extra}: relative L2 error "
           f"dq2 {errors[0]:.1e}, dk2 {errors[1]:.1e} ({time.time() - start:.1f} s)", flush=True)
     return max(errors)
 
@@ -286,7 +306,13 @@ def main():
         (1, 128, 128, 1, 1, 64, True),
         (2, 192, 256, 2, 1, 128, True),
         (1, 256, 384, 4, 2, 128, False),
+        # block masks and windows (the key schedule's lists; sixth session): uncovered and empty rows
+        (1, 256, 384, 2, 1, 64, False, torch.float16, (0.6, 0.5)),
+        (2, 384, 256, 2, 2, 64, True, torch.float16, (0.7, 0.8)),
+        (1, 256, 256, 2, 1, 64, False, torch.float16, None, (100, 30)),
     ]
+    if "--new" in sys.argv:
+        backward_cases = backward_cases[4:]
     worst = max(simulate_backward(triton_viz, client, *case) for case in backward_cases)
     print(f"worst relative error {worst:.1e}")
     sys.exit(0 if worst < 2e-2 else 1)

@@ -585,9 +585,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
 @pytest.mark.parametrize(
     "config",
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, 128, True, "varlen"),
-     (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None)],
+     (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
+     (torch.bfloat16, 128, True, "backward-listed")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128-causal-varlen", "bf16-D128-causal-listed",
-         "backward-bf16-D128-causal"],
+         "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -601,6 +602,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     call = f"torch.{str(dtype).split('.')[-1]}, {dim}, {causal}"
     if overlap is None:  # the student backward, gluon_backward.py
         call = f"g.gluon_backward.compile_for_hopper({call})"
+    elif overlap == "backward-listed":  # the student backward over the key schedule's lists
+        call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
     elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
@@ -714,6 +717,23 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
     assert len(calls) == len(cases)
+    # block masks (uncovered and empty rows) and a window through the key schedule's lists
+    # (NOT yet run on a GPU when written, sixth session; checked under the simulator)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    for (n_q, n_k), causal, densities, window in (
+        ((256, 384), False, (0.6, 0.5), (-1, -1)),
+        ((384, 256), True, (0.7, 0.8), (-1, -1)),
+        ((256, 256), False, None, (100, 30)),
+    ):
+        x = make_inputs((2, n_q), (2, n_k), 4, (2, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+        kwargs = dict(causal=causal, window=window)
+        if densities is not None:
+            kwargs["mask1"], kwargs["mask2"] = (
+                streamkl.BlockMask.from_dense(torch.rand(2, 4, n_q // 128, n_k // 128, device=DEVICE, generator=g) < d)
+                for d in densities
+            )
+        check_against_reference(x, "triton", **kwargs)
+    assert len(calls) == len(cases) + 3
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

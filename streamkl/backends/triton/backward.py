@@ -627,7 +627,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
         return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
     if gluon_backward.enabled() and gluon_backward.applies(problem, q1, k1, q2, k2, needs, deterministic):
-        return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows)  # experimental, off
+        if not gluon_backward.listed(problem) or (schedule.block_q, schedule.block_k) == (128, gluon_backward.BLOCK_N):
+            return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule)  # experimental
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
     dk2 = _grad_buffer(k2, varlen) if need_dk2 else None
     grad_rows = grad_rows.float()

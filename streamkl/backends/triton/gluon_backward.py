@@ -21,16 +21,20 @@ s^T = k q^T of both sides (async wgmma), p^T and q^T from the saved row statisti
 dS2^T = g (q - p)^T, then dk2 += dS2^T q2 and dq2 += dS2 k2 (dS2^T through
 shared memory, which both products read), the dq2 tile added with element atomics (Gluon 3.6 has no TMA reduction).
 
-Scope (`applies`): the student's gradients only (dq2, dk2), dense keys, causal or not (Nk >= Nq),
-bfloat16, D 64 / 128 on both sides, no GQA on side 2, N multiples of 128 (keys) and 64 (queries),
-not deterministic; everything else runs backward.py.
+Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), bfloat16,
+D 64 / 128 on both sides, no GQA on side 2, N multiples of 128 (keys) and 64 (queries), not
+deterministic, not varlen; everything else runs backward.py. Block masks (blocks of at least 128)
+and windows (LISTED, sixth session, simulator-checked, NOT yet run on a GPU): the key-major view
+of the 128 x 128 tile schedule, each listed 128-row query tile in two 64-row steps, partial pairs
+masked as backward._tile_dscores does (dS2 kept to side 2's support; rows without keys on a side
+read lse +inf, so p, q = 0 there); N multiples of 128, causal with any Nk.
 """
 
 from __future__ import annotations
 
 import torch
 
-from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled  # noqa: F401
+from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled, listed  # noqa: F401
 
 if GLUON_IMPORT_ERROR is None:
     from streamkl.backends.triton.gluon_forward import _load_then_stream, compile_sm90, flat_descriptor, gl_dtype
@@ -58,14 +62,21 @@ def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> boo
         return False
     if tuple(needs) != (False, False, True, True) or problem.dtype != torch.bfloat16:
         return False
-    if problem.is_varlen or problem.mask1 is not None or problem.mask2 is not None or problem.window != (-1, -1):
+    if problem.is_varlen:
         return False
     if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128) or problem.heads_k2 != problem.heads:
         return False
-    if problem.seqlen_k % BLOCK_N or problem.seqlen_q % BLOCK_M or problem.seqlen_q == 0:
-        return False
-    if problem.causal and problem.seqlen_k < problem.seqlen_q:
-        return False
+    if listed(problem):  # block masks / a window: the key schedule's lists of 128-row query tiles
+        if problem.seqlen_k % BLOCK_N or problem.seqlen_q % 128 or problem.seqlen_q == 0:
+            return False
+        for mask in (problem.mask1, problem.mask2):
+            if mask is not None and (mask.block_q < 128 or mask.block_k < BLOCK_N):
+                return False
+    else:
+        if problem.seqlen_k % BLOCK_N or problem.seqlen_q % BLOCK_M or problem.seqlen_q == 0:
+            return False
+        if problem.causal and problem.seqlen_k < problem.seqlen_q:
+            return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q1, k1, q2, k2)):
         return False
     from streamkl.backends.triton.common import capability, device_index
@@ -80,8 +91,9 @@ if GLUON_IMPORT_ERROR is None:
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                      n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr):
+                      CAUSAL: gl.constexpr, LISTED: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -119,23 +131,51 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            o_i = (first_tile + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
+            if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
+                tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
+            else:
+                tile_row0 = (first_tile + i) * BLOCK_M
+            o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
             # the rows' statistics loaded one element a thread, then spread to the score layout
             # through shared memory (loaded in that layout, 16 elements a thread, they kept 3 x 16
             # 64-bit pointers live across the loop: ptxas spilled them)
-            o_iv = ((first_tile + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)).to(gl.int64)
+            o_iv = (tile_row0 + gl.arange(0, BLOCK_M, layout=vec_layout)).to(gl.int64)
             lse1 = gl.convert_layout(gl.load(LSE1 + o_stat + o_iv * stride_sn), row_layout) * 1.4426950408889634
             lse2 = gl.convert_layout(gl.load(LSE2 + o_stat + o_iv * stride_sn), row_layout) * 1.4426950408889634
             g = gl.convert_layout(gl.load(GRAD + o_grad + o_iv * stride_gn), row_layout)
             g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
+            if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
+                lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
+                lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
             st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-            p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
-            q = gl.exp2(st2 * scale2 - lse2[None, :])
-            if CAUSAL:
-                allowed = o_j[:, None] <= (o_i + offset)[None, :]
-                p = gl.where(allowed, p, 0.0)
-                q = gl.where(allowed, q, 0.0)
-            ds_t = (g[None, :] * (q - p)).to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
+            if LISTED:
+                visit = i // 2
+                if visit < n_full_listed:
+                    p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
+                    q = gl.exp2(st2 * scale2 - lse2[None, :])
+                    ds = g[None, :] * (q - p)
+                else:  # a partial pair: backward._tile_dscores's masks, transposed
+                    tile_flags = gl.load(flags_list + visit).to(gl.int32)
+                    b_i = o_i[None, :]
+                    b_j = o_j[:, None]
+                    shift = len_k - len_q
+                    allowed = (b_i < len_q) & (b_j < len_k)
+                    allowed = allowed & ((window_left < 0) | (b_j >= b_i + shift - window_left))
+                    allowed = allowed & ((window_right < 0) | (b_j <= b_i + shift + window_right))
+                    a1 = allowed & ((tile_flags & 2) == 0)
+                    a2 = allowed & ((tile_flags & 4) == 0)
+                    p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[None, :])
+                    q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[None, :])
+                    ds = gl.where(a2, g[None, :] * (q - p), 0.0)  # dS2 kept to side 2's support
+            else:
+                p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
+                q = gl.exp2(st2 * scale2 - lse2[None, :])
+                if CAUSAL:
+                    allowed = o_j[:, None] <= (o_i + offset)[None, :]
+                    p = gl.where(allowed, p, 0.0)
+                    q = gl.where(allowed, q, 0.0)
+                ds = g[None, :] * (q - p)
+            ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
             # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
             # halves transposed. Buffer i % 2: its previous readers (tile i - 2) are done, since the
             # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
@@ -147,6 +187,8 @@ if GLUON_IMPORT_ERROR is None:
             dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
+            if LISTED:  # listed tiles are not consecutive: the base from this step's first row
+                p_tile = DQ2 + o_dq + (o_dq * 0 + tile_row0) * stride_dqn
             if D > 64:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
@@ -156,7 +198,8 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
                 gl.atomic_add(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, sem="relaxed")
-            p_tile += dq_step
+            if not LISTED:
+                p_tile += dq_step
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         gl.store(DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :], (dk * out_scale2).to(DK2.dtype.element_ty))
 
@@ -165,24 +208,33 @@ if GLUON_IMPORT_ERROR is None:
                         LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                        D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                        n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
+                        D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        LISTED: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
-                      k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, 1, D, BLOCK_M, STAGES, CAUSAL)
+                      k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                      n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
         LSE1, LSE2, GRAD, DQ2, DK2,
+        Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,  # LISTED: the key-major schedule (128 x 128 tiles); else unused
         stride_sb, stride_sh, stride_sn,  # lse [B, H, N]
         stride_gb, stride_gn, stride_gh,  # g [B, N, H]
         stride_dqb, stride_dqn, stride_dqh,  # the float32 dq2 buffer [B, N, H, D]
         stride_dkb, stride_dkn, stride_dkh,  # dk2 [B, N, H, D]
+        stride_cs, stride_ch, stride_ct,  # the key schedule's counts [S', H', nK] (broadcast strides)
+        stride_is, stride_ih, stride_it,  # its lists [S', H', nK, nQ], the last dim contiguous
+        window_left, window_right,  # LISTED: causality folded into window_right; -1 unbounded
         seqlen_q, seqlen_k, heads, group1,
         scale1, scale2, out_scale2, k_programs,
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
+        LISTED: gl.constexpr,  # block masks or a window: walk the key schedule's query-tile lists
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -193,7 +245,19 @@ if GLUON_IMPORT_ERROR is None:
         first_tile = 0
         if CAUSAL:  # query rows i see key k0 once i + offset >= k0
             first_tile = gl.maximum(k0 - offset, 0) // BLOCK_M
-        n_tiles = seqlen_q // BLOCK_M - first_tile
+        if LISTED:  # the query tiles (128 rows, two steps each) visiting this key tile, full ones first
+            o_count = seq * stride_cs + head * stride_ch + pid_k * stride_ct
+            n_tiles = 2 * gl.load(Q_COUNT + o_count)
+            n_full_listed = gl.load(Q_FULL + o_count)
+            o_list = seq.to(gl.int64) * stride_is + head * stride_ih + pid_k * stride_it
+            index = Q_INDEX + o_list
+            flags_list = Q_FLAGS + o_list
+            first_tile = 0
+        else:
+            n_tiles = seqlen_q // BLOCK_M - first_tile
+            n_full_listed = n_tiles
+            index = Q_INDEX
+            flags_list = Q_FLAGS
 
         q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
@@ -225,63 +289,84 @@ if GLUON_IMPORT_ERROR is None:
                                  LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                  stride_sn, stride_gn, stride_dqn, stride_dkn,
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                 0, D, BLOCK_M, STAGES, CAUSAL)),
+                                 n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                   D, BLOCK_M, STAGES, CAUSAL)),
+                                   n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
-                                     q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, LSE1, BLOCK_M, STAGES,
-                                     False)),
+                                     q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
+                                     STAGES, LISTED, 2)),
             ],
             [4, 1],
             [232, 40],
         )
 
 
-def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2):
-    """(grid, positional arguments, constexprs) of one launch."""
-    from streamkl.backends.triton.common import group_sizes, log2_scales
+def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None):
+    """(grid, positional arguments, constexprs) of one launch. Block masks or a window (`listed`):
+    `schedule` (query-major, 128 x 128 tiles) is walked through its key-major view."""
+    from streamkl.backends.triton.common import broadcast_strides, group_sizes, log2_scales, window_bounds
+    from streamkl.backends.triton.gluon_forward import listed
+    from streamkl.sparse.schedule import get_key_schedule
 
     group1, _ = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
     k_programs = problem.seqlen_k // BLOCK_N
+    is_listed = listed(problem)
+    if is_listed:
+        assert schedule is not None and (schedule.block_q, schedule.block_k) == (128, BLOCK_N)
+        keys = get_key_schedule(schedule)
+        lists = (keys.q_count, keys.q_full, keys.q_index, keys.q_partial)
+        list_strides = (*broadcast_strides(keys.q_count), *broadcast_strides(keys.q_index)[:3])
+        window = window_bounds(problem)
+    else:
+        lists, list_strides, window = (lse1,) * 4, (0,) * 6, (-1, -1)
     args = (
         *(flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))),
-        lse1, lse2, grad_rows, dq2, dk2,
+        lse1, lse2, grad_rows, dq2, dk2, *lists,
         *lse1.stride(), *grad_rows.stride(),
         dq2.stride(0), dq2.stride(1), dq2.stride(2), dk2.stride(0), dk2.stride(1), dk2.stride(2),
+        *list_strides, *window,
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1,
         scale1, scale2, scale2 * LN2, k_programs,
     )  # fmt: skip
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
-                      DS_LAYOUT=ds_layout)
+                      DS_LAYOUT=ds_layout, LISTED=is_listed)
     return (k_programs * problem.batch * problem.heads,), args, constexprs
 
 
-def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows):
-    """(None, None, dq2, dk2) through the Gluon kernel; `applies()` must hold."""
+def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
+    """(None, None, dq2, dk2) through the Gluon kernel; `applies()` must hold (and, with block
+    masks or a window, a schedule of 128 x 128 tiles be given)."""
     dq2 = torch.zeros(q2.shape, dtype=torch.float32, device=q2.device)
     dk2 = torch.empty_like(k2)
-    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, grad_rows.float(), dq2, dk2)
+    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, grad_rows.float(), dq2, dk2, schedule)
     _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
     return None, None, dq2.to(q2.dtype), dk2
 
 
-def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False):
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
     stats = torch.empty(4, dtype=torch.float32)
+    cu = torch.zeros(3, dtype=torch.int32)
     names = ("stride_sb", "stride_sh", "stride_sn", "stride_gb", "stride_gn", "stride_gh", "stride_dqb",
-             "stride_dqn", "stride_dqh", "stride_dkb", "stride_dkn", "stride_dkh", "seqlen_q", "seqlen_k",
-             "heads", "group1")
+             "stride_dqn", "stride_dqh", "stride_dkb", "stride_dkn", "stride_dkh")
+    list_names = ("stride_cs", "stride_ch", "stride_ct", "stride_is", "stride_ih", "stride_it", "window_left",
+                  "window_right")
     examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
-    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, **dict.fromkeys(names, 1024))
+    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu,
+                    Q_FLAGS=torch.zeros(3, dtype=torch.int8))
+    examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
+    examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "group1"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
-                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)))
+                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)

@@ -159,12 +159,12 @@ if GLUON_IMPORT_ERROR is None:
     def _load_then_stream(once1_desc, once2_desc, once1_smem, once2_smem, once_bar, once_row, once1_col, once2_col,
                           ring1_desc, ring2_desc, ring1_smem, ring2_smem, ready, empty, ring_row, ring1_col,
                           ring2_col, n_tiles, index, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                          INDEXED: gl.constexpr):
+                          INDEXED: gl.constexpr, SUB: gl.constexpr):
         """The producer warp of both Gluon kernels: one tile of each side loaded once (the forward's
         queries, the backward's keys), then n_tiles tiles of each side, BLOCK rows apart from
         ring_row, streamed through the ring of STAGES slots (`ready` when a slot's bytes have
-        landed, `empty` when its consumers have read it). INDEXED: tile i is the index[i]-th tile
-        (a schedule's key-tile list), else the i-th."""
+        landed, `empty` when its consumers have read it). INDEXED: tile i is part i % SUB of the
+        index[i // SUB]-th tile of SUB * BLOCK rows (a schedule's tile list), else the i-th."""
         mbarrier.expect(once_bar, once1_desc.block_type.nbytes + once2_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(once1_desc, [once_row, once1_col], once_bar, once1_smem)
         tma.async_copy_global_to_shared(once2_desc, [once_row, once2_col], once_bar, once2_smem)
@@ -174,7 +174,7 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             mbarrier.expect(ready.index(slot), ring1_desc.block_type.nbytes + ring2_desc.block_type.nbytes)
             if INDEXED:
-                row = ring_row + gl.load(index + i) * BLOCK
+                row = ring_row + gl.load(index + i // SUB) * (BLOCK * SUB) + (i % SUB) * BLOCK
             else:
                 row = ring_row + i * BLOCK
             tma.async_copy_global_to_shared(ring1_desc, [row, ring1_col], ready.index(slot), ring1_smem.index(slot))
@@ -465,7 +465,7 @@ if GLUON_IMPORT_ERROR is None:
                 (_load_then_stream, (q1_desc, q2_desc, q1_smem, q2_smem, q_bar, q_row, head * D1, head * D2,
                                      k1_desc, k2_desc, k1_smem, k2_smem, ready, empty, k_row,
                                      (head // group1) * D1, (head // group2) * D2, n_tiles, index, BLOCK_N, STAGES,
-                                     LISTED)),
+                                     LISTED, 1)),
             ],
             [4, 1],
             [232, 40],
