@@ -4,6 +4,7 @@
 # deadlocked barrier protocol would hang: every step is under `timeout`), then their timing against
 # the Triton kernels and SDPA at N=16K (tune_h200.py --section gluon: forward both variants, student
 # backward; GLUON_PARTS=bwd for the backward only), then (REST_SECONDS != 0) test_errors + test_cupy_gpu.
+# then (SPARSE_SECONDS != 0) the sparsity section with STREAMKL_GLUON=1 and without.
 #   bash benchmarks/gpu_gluon_round.sh        # results under $OUT
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -19,4 +20,15 @@ if [ "${REST_SECONDS:-100}" != 0 ]; then
   timeout "${REST_SECONDS:-100}" python -m pytest -q -p no:benchmark -n 8 tests/test_errors.py tests/test_cupy_gpu.py 2>&1 \
     | tail -5 > "$OUT/tests_rest.txt"
   tail -2 "$OUT/tests_rest.txt"
+fi
+if [ "${SPARSE_SECONDS:-90}" != 0 ]; then
+  # the block-sparsity section with the Gluon kernels forced (their listed paths) and without
+  for mode in 1 default; do
+    if [ "$mode" = 1 ]; then export STREAMKL_GLUON=1; else unset STREAMKL_GLUON; fi
+    timeout "${SPARSE_SECONDS:-90}" python benchmarks/suite.py --out /tmp/sparse_$mode --name sparse_gluon_$mode \
+      --sections sparsity --providers streamkl-triton --max-seconds $(( ${SPARSE_SECONDS:-90} - 20 )) > /dev/null 2>&1
+    cp /tmp/sparse_$mode/sparse_gluon_$mode.md "$OUT/" 2>/dev/null
+    grep "90%\|no mask" "$OUT/sparse_gluon_$mode.md" | head -6
+  done
+  unset STREAMKL_GLUON
 fi
