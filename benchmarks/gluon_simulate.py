@@ -169,9 +169,11 @@ def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, o
         kwargs = dict(cu_seqlens=cu_q, cu_seqlens_k=cu_k, max_seqlen=max(lens_q), max_seqlen_k=max(lens_k))
     else:
         shape_q, shape_k = (batch, n_q), (batch, n_k)
-    q1, q2 = (torch.randn(*shape_q, heads, dim, generator=g).to(dtype) for _ in range(2))
-    k1 = torch.randn(*shape_k, heads_k[0], dim, generator=g).to(dtype)
-    k2 = torch.randn(*shape_k, heads_k[1], dim, generator=g).to(dtype)
+    dim1, dim2 = dim if isinstance(dim, tuple) else (dim, dim)  # (teacher, student) head dims
+    q1 = torch.randn(*shape_q, heads, dim1, generator=g).to(dtype)
+    q2 = torch.randn(*shape_q, heads, dim2, generator=g).to(dtype)
+    k1 = torch.randn(*shape_k, heads_k[0], dim1, generator=g).to(dtype)
+    k2 = torch.randn(*shape_k, heads_k[1], dim2, generator=g).to(dtype)
     if masks is not None:
         from streamkl.sparse.block_mask import BlockMask
 
@@ -294,6 +296,9 @@ def main():
         (1, 384, 384, 2, (2, 1), 64, False, False, torch.float16, (0.3, 0.9)),
         (1, 256, 320, 2, (2, 2), 64, False, False, torch.float16, None, (100, 30)),
         (1, 256, 256, 2, (2, 2), 64, True, False, torch.float16, None, (64, -1)),
+        # different teacher / student head dims
+        (1, 256, 384, 2, (1, 2), (128, 64), True, False),
+        (1, 200, 256, 2, (2, 2), (64, 128), False, True),
     ]
     if "--backward" not in sys.argv:
         if "--new" in sys.argv:  # only the cases added last

@@ -39,7 +39,8 @@ Scope (`applies()`): dense or packed (varlen) sequences of any
 lengths (tails: a last partial query tile's rows are not written, a last partial key tile and the
 next packed sequence's keys are masked; TMA boxes past the tensor read zeros); causal or not, with
 the rows that see no key (causal with Nk < Nq, an empty key sequence) written as the SPEC's empty
-rows; GQA on either side; 16-bit inputs; equal head dims 64 or 128 on both sides; positive scales;
+rows; GQA on either side; 16-bit inputs; head dims 64 or 128 on each side (different teacher and
+student dims: forced only, not yet run on a GPU); positive scales;
 contiguous tensors (TMA: 16-byte aligned). Anything else runs the Triton kernel. Both sides share
 one structure here, so no row is uncovered; a row whose scores are all -inf by value reads NaN, as
 in the Triton kernel.
@@ -100,10 +101,11 @@ def listed(problem: Problem) -> bool:
 
 def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
     """Whether the forward of this problem runs the Gluon kernel: where it applies, at head dim
-    128 without block masks or a window by default (measured faster there), everywhere it
-    applies when forced (head dim 64; block masks and windows: NOT yet run on a GPU)."""
+    128 on both sides without block masks or a window by default (measured faster there),
+    everywhere it applies when forced (head dim 64, different head dims, block masks and windows:
+    the last two NOT yet run on a GPU)."""
     use = setting()
-    if use is False or (use is None and (problem.dim1 != 128 or listed(problem))):
+    if use is False or (use is None and (problem.dim1 != 128 or problem.dim2 != 128 or listed(problem))):
         return False
     return applies(problem, q1, k1, q2, k2)
 
@@ -137,7 +139,7 @@ def applies(problem: Problem, q1, k1, q2, k2) -> bool:
         for mask in (problem.mask1, problem.mask2):
             if mask is not None and (mask.block_q < BLOCK_M or mask.block_k < 128):
                 return False
-    if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128):
+    if problem.dim1 not in (64, 128) or problem.dim2 not in (64, 128):
         return False
     if not (problem.scale1 > 0 and problem.scale2 > 0):
         return False
@@ -509,7 +511,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, o
     )
 
     varlen = problem.is_varlen
-    block_n, stages = config(problem.dim1, overlap)
+    block_n, stages = config(max(problem.dim1, problem.dim2), overlap)
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
     q_programs = cdiv(problem.seqlen_q, BLOCK_M)
@@ -561,12 +563,14 @@ def compile_sm90(kernel, examples: dict, constexprs: dict):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, overlap: bool = False,
+def compile_for_hopper(dtype=torch.bfloat16, dim=128, causal: bool = False, overlap: bool = False,
                        varlen: bool = False, listed: bool = False):
-    """The forward compiled for sm_90a (`compile_sm90`) at one configuration."""
-    block_n, stages = config(dim, overlap)
-    t = torch.empty(2, BLOCK_M, 4, dim, dtype=dtype)
-    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, block_n, BLOCK_M, block_n)]
+    """The forward compiled for sm_90a (`compile_sm90`) at one configuration; `dim` one head dim
+    or (teacher's, student's)."""
+    dim1, dim2 = dim if isinstance(dim, tuple) else (dim, dim)
+    block_n, stages = config(max(dim1, dim2), overlap)
+    t1, t2 = (torch.empty(2, BLOCK_M, 4, d, dtype=dtype) for d in (dim1, dim2))
+    descs = [flat_descriptor(t, rows) for t, rows in ((t1, BLOCK_M), (t1, block_n), (t2, BLOCK_M), (t2, block_n))]
     stats = torch.empty(4, dtype=torch.float32)
     names = ("stride_klb", "stride_kln", "stride_klh", "stride_sb", "stride_sh", "stride_sn", "seqlen_q",
              "seqlen_k", "heads", "group1", "group2")
@@ -578,6 +582,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                   "window_right")
     examples.update(**dict.fromkeys(names[:6], 1024), **dict.fromkeys(list_names, 7), **dict.fromkeys(names[6:], 1024))
     examples.update(scale1=0.5, scale2=0.5, q_programs=1024)
-    constexprs = dict(D1=dim, D2=dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap,
+    constexprs = dict(D1=dim1, D2=dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap,
                       VARLEN=varlen, TAIL=varlen, LISTED=listed)
     return compile_sm90(_kl_fwd_gluon_kernel, examples, constexprs)
