@@ -10,23 +10,23 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/streamkl-out}
 mkdir -p "$OUT"
-timeout "${GLUON_TEST_SECONDS:-150}" python -m pytest -q -p no:benchmark tests/test_triton_gpu.py -k gluon \
+timeout "${GLUON_TEST_SECONDS:-240}" python -m pytest -q -rf --tb=short -p no:benchmark tests/test_triton_gpu.py -k gluon \
   > "$OUT/gluon_tests.txt" 2>&1
 echo "gluon tests rc=$?" >> "$OUT/gluon_tests.txt"
 tail -15 "$OUT/gluon_tests.txt"
-timeout "${GLUON_TUNE_SECONDS:-260}" python benchmarks/tune_h200.py --out "$OUT" --section gluon --gluon-parts "${GLUON_PARTS:-fwd,bwd}" > "$OUT/tune.log" 2>&1
+timeout "${GLUON_TUNE_SECONDS:-200}" python benchmarks/tune_h200.py --out "$OUT" --section gluon --gluon-parts "${GLUON_PARTS:-fwd,bwd}" > "$OUT/tune.log" 2>&1
 grep '"gluon' "$OUT/tune.log"
-if [ "${REST_SECONDS:-100}" != 0 ]; then
+if [ "${REST_SECONDS:-0}" != 0 ]; then
   timeout "${REST_SECONDS:-100}" python -m pytest -q -p no:benchmark -n 8 tests/test_errors.py tests/test_cupy_gpu.py 2>&1 \
     | tail -5 > "$OUT/tests_rest.txt"
   tail -2 "$OUT/tests_rest.txt"
 fi
-if [ "${SPARSE_SECONDS:-90}" != 0 ]; then
+if [ "${SPARSE_SECONDS:-80}" != 0 ]; then
   # the block-sparsity section with the Gluon kernels forced (their listed paths) and without
   for mode in 1 default; do
     if [ "$mode" = 1 ]; then export STREAMKL_GLUON=1; else unset STREAMKL_GLUON; fi
-    timeout "${SPARSE_SECONDS:-90}" python benchmarks/suite.py --out /tmp/sparse_$mode --name sparse_gluon_$mode \
-      --sections sparsity --providers streamkl-triton --max-seconds $(( ${SPARSE_SECONDS:-90} - 20 )) > /dev/null 2>&1
+    timeout "${SPARSE_SECONDS:-80}" python benchmarks/suite.py --out /tmp/sparse_$mode --name sparse_gluon_$mode \
+      --sections sparsity --providers streamkl-triton --max-seconds $(( ${SPARSE_SECONDS:-80} - 20 )) > /dev/null 2>&1
     cp /tmp/sparse_$mode/sparse_gluon_$mode.md "$OUT/" 2>/dev/null
     grep "90%\|no mask" "$OUT/sparse_gluon_$mode.md" | head -6
   done
