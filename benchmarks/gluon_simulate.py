@@ -149,6 +149,26 @@ def _adjust_simulator():
     return triton_viz, Quiet
 
 
+def _listed_problem(inputs, causal, kwargs, masks, window, heads, n_q, n_k, g):
+    """(problem, schedule): random 128-block masks of the given densities (one per side) and the
+    window added to kwargs (in place: the reference takes them too); the 128 x 128 schedule the
+    Gluon kernels walk where there are masks or a window, else None."""
+    from streamkl.backends.triton.gluon_forward import listed
+    from streamkl.problem import build_problem
+    from streamkl.sparse.block_mask import BlockMask
+    from streamkl.sparse.schedule import get_schedule
+
+    if masks is not None:
+        blocks = (-(-n_q // 128), -(-n_k // 128))
+        kwargs["mask1"], kwargs["mask2"] = (
+            BlockMask.from_dense(torch.rand(1, heads, *blocks, generator=g) < density, 128) for density in masks
+        )
+    if window != (-1, -1):
+        kwargs["window"] = window
+    problem = build_problem(*inputs, causal=causal, **kwargs)
+    return problem, (get_schedule(problem, 128, 128) if listed(problem) else None)
+
+
 def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, overlap, dtype=torch.float16,
              masks=None, window=(-1, -1)):
     """One forward problem against float64. `batch` an int: dense [B, N, H, D] inputs of n_q / n_k
@@ -156,7 +176,6 @@ def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, o
     densities (side 1, side 2) of random 128-block masks (dense inputs), or None."""
     from streamkl.backends.base import new_outputs, write_tail_rows
     from streamkl.backends.triton import gluon_forward
-    from streamkl.problem import build_problem
     from streamkl.reference import reference_kl
 
     g = torch.Generator().manual_seed(0)
@@ -174,21 +193,7 @@ def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, o
     q2 = torch.randn(*shape_q, heads, dim2, generator=g).to(dtype)
     k1 = torch.randn(*shape_k, heads_k[0], dim1, generator=g).to(dtype)
     k2 = torch.randn(*shape_k, heads_k[1], dim2, generator=g).to(dtype)
-    if masks is not None:
-        from streamkl.sparse.block_mask import BlockMask
-
-        blocks = (-(-n_q // 128), -(-n_k // 128))
-        kwargs["mask1"], kwargs["mask2"] = (
-            BlockMask.from_dense(torch.rand(1, heads, *blocks, generator=g) < density, 128) for density in masks
-        )
-    if window != (-1, -1):
-        kwargs["window"] = window
-    problem = build_problem(q1, k1, q2, k2, causal=causal, **kwargs)
-    schedule = None
-    if gluon_forward.listed(problem):
-        from streamkl.sparse.schedule import get_schedule
-
-        schedule = get_schedule(problem, 128, 128)
+    problem, schedule = _listed_problem((q1, k1, q2, k2), causal, kwargs, masks, window, heads, n_q, n_k, g)
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)
     grid, args, constexprs = gluon_forward.launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, overlap,
@@ -221,7 +226,6 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     saved statistics of the float64 forward and a random upstream gradient per row (0 on rows whose
     KL is infinite, as the GPU tests do). masks: block densities of random 128-block masks."""
     from streamkl.backends.triton import gluon_backward
-    from streamkl.problem import build_problem
     from streamkl.reference import reference_kl
 
     g = torch.Generator().manual_seed(1)
@@ -229,21 +233,7 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     k1 = torch.randn(batch, n_k, heads_k1, dim, generator=g).to(dtype)
     k2 = torch.randn(batch, n_k, heads, dim, generator=g).to(dtype)
     kwargs = {}
-    if masks is not None:
-        from streamkl.sparse.block_mask import BlockMask
-
-        blocks = (n_q // 128, n_k // 128)
-        kwargs["mask1"], kwargs["mask2"] = (
-            BlockMask.from_dense(torch.rand(1, heads, *blocks, generator=g) < density, 128) for density in masks
-        )
-    if window != (-1, -1):
-        kwargs["window"] = window
-    problem = build_problem(q1, k1, q2, k2, causal=causal, **kwargs)
-    schedule = None
-    if gluon_backward.listed(problem):
-        from streamkl.sparse.schedule import get_schedule
-
-        schedule = get_schedule(problem, 128, 128)
+    problem, schedule = _listed_problem((q1, k1, q2, k2), causal, kwargs, masks, window, heads, n_q, n_k, g)
     leaves = [t.double().requires_grad_(i >= 2) for i, t in enumerate((q1, k1, q2, k2))]
     ref, lse1, lse2 = reference_kl(*leaves, causal=causal, **kwargs)
     upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64) * ref.isfinite()

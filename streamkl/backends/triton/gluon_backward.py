@@ -37,7 +37,13 @@ import torch
 from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled, listed  # noqa: F401
 
 if GLUON_IMPORT_ERROR is None:
-    from streamkl.backends.triton.gluon_forward import _load_then_stream, compile_sm90, flat_descriptor, gl_dtype
+    from streamkl.backends.triton.gluon_forward import (
+        _listed_allowed,
+        _load_then_stream,
+        compile_sm90,
+        flat_descriptor,
+        gl_dtype,
+    )
 from streamkl.problem import Problem
 
 if GLUON_IMPORT_ERROR is None:
@@ -156,14 +162,8 @@ if GLUON_IMPORT_ERROR is None:
                     ds = g[None, :] * (q - p)
                 else:  # a partial pair: backward._tile_dscores's masks, transposed
                     tile_flags = gl.load(flags_list + visit).to(gl.int32)
-                    b_i = o_i[None, :]
-                    b_j = o_j[:, None]
-                    shift = len_k - len_q
-                    allowed = (b_i < len_q) & (b_j < len_k)
-                    allowed = allowed & ((window_left < 0) | (b_j >= b_i + shift - window_left))
-                    allowed = allowed & ((window_right < 0) | (b_j <= b_i + shift + window_right))
-                    a1 = allowed & ((tile_flags & 2) == 0)
-                    a2 = allowed & ((tile_flags & 4) == 0)
+                    a1, a2 = _listed_allowed(o_i[None, :], o_j[:, None], tile_flags, len_q, len_k,
+                                             window_left, window_right)
                     p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[None, :])
                     q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[None, :])
                     ds = gl.where(a2, g[None, :] * (q - p), 0.0)  # dS2 kept to side 2's support

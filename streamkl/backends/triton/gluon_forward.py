@@ -199,6 +199,34 @@ if GLUON_IMPORT_ERROR is None:
         return m1_new, m2_new, l1, l2, acc
 
     @gluon.jit
+    def _masked_tile(s1, s2, diff, m1, m2, l1, l2, acc):
+        """A key tile with masked scores (log2 units, -inf where not allowed; diff = s1 - s2 where
+        both sides allow, else 0): forward._fwd_step's masked branch. Rows without an allowed key
+        yet keep max -inf and shift by 0, so no inf - inf appears."""
+        m1_new = gl.maximum(m1, gl.max(s1, axis=1))
+        m2_new = gl.maximum(m2, gl.max(s2, axis=1))
+        shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
+        shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
+        alpha1 = gl.exp2(m1 - shift1)
+        e1 = gl.exp2(s1 - shift1[:, None])
+        l1 = l1 * alpha1 + gl.sum(e1, axis=1)
+        acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
+        l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
+        return m1_new, m2_new, l1, l2, acc
+
+    @gluon.jit
+    def _listed_allowed(b_i, b_j, tile_flags, len_q, len_k, window_left, window_right):
+        """(allowed1, allowed2) of a partial pair of a schedule's list, rows b_i and keys b_j
+        broadcast either way round (the forward's [rows, keys], the backward's [keys, rows]):
+        common._partial_allowed's rules (sequence bounds, the window with causality folded into
+        window_right, -1 unbounded; less the sides flagged OFF1 = 2 / OFF2 = 4 for the tile)."""
+        shift = len_k - len_q
+        allowed = (b_i < len_q) & (b_j < len_k)
+        allowed = allowed & ((window_left < 0) | (b_j >= b_i + shift - window_left))
+        allowed = allowed & ((window_right < 0) | (b_j <= b_i + shift + window_right))
+        return allowed & ((tile_flags & 2) == 0), allowed & ((tile_flags & 4) == 0)
+
+    @gluon.jit
     def _tile_stats(r1, r2, tile, n_full, o_i, offset, len_k, scale1, scale2, m1, m2, l1, l2, acc,
                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TAIL: gl.constexpr, col_layout: gl.constexpr):
         """The five running statistics after one key tile's raw products r1, r2, in log2 units:
@@ -219,15 +247,7 @@ if GLUON_IMPORT_ERROR is None:
                 s1 = gl.where(allowed, r1 * scale1, float("-inf"))
                 s2 = gl.where(allowed, r2 * scale2, float("-inf"))
                 diff = gl.where(allowed, s1 - s2, 0.0)
-                m1_new = gl.maximum(m1, gl.max(s1, axis=1))
-                m2_new = gl.maximum(m2, gl.max(s2, axis=1))
-                shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
-                shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
-                alpha1 = gl.exp2(m1 - shift1)
-                e1 = gl.exp2(s1 - shift1[:, None])
-                l1 = l1 * alpha1 + gl.sum(e1, axis=1)
-                acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
-                l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
+                m1_new, m2_new, l1, l2, acc = _masked_tile(s1, s2, diff, m1, m2, l1, l2, acc)
         else:
             m1_new, m2_new, l1, l2, acc = _full_tile(r1, r2, scale1, scale2, m1, m2, l1, l2, acc)
         return m1_new, m2_new, l1, l2, acc
@@ -247,28 +267,13 @@ if GLUON_IMPORT_ERROR is None:
         else:
             tile_flags = gl.load(flags_list + visit).to(gl.int32)
             o_j = gl.load(index + visit) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-            b_i = o_i[:, None]
-            b_j = o_j[None, :]
-            offset = len_k - len_q
-            allowed = (b_i < len_q) & (b_j < len_k)
-            allowed = allowed & ((window_left < 0) | (b_j >= b_i + offset - window_left))
-            allowed = allowed & ((window_right < 0) | (b_j <= b_i + offset + window_right))
-            a1 = allowed & ((tile_flags & 2) == 0)
-            a2 = allowed & ((tile_flags & 4) == 0)
+            a1, a2 = _listed_allowed(o_i[:, None], o_j[None, :], tile_flags, len_q, len_k, window_left, window_right)
             s1 = gl.where(a1, r1 * scale1, float("-inf"))
             s2 = gl.where(a2, r2 * scale2, float("-inf"))
             diff = gl.where(a1 & a2, s1 - s2, 0.0)
             only1 = gl.max((a1 & ~a2).to(gl.int32), axis=1)
             row_flags = row_flags | only1 | (gl.max(a1.to(gl.int32), axis=1) * 2)
-            m1_new = gl.maximum(m1, gl.max(s1, axis=1))
-            m2_new = gl.maximum(m2, gl.max(s2, axis=1))
-            shift1 = gl.where(m1_new == float("-inf"), 0.0, m1_new)
-            shift2 = gl.where(m2_new == float("-inf"), 0.0, m2_new)
-            alpha1 = gl.exp2(m1 - shift1)
-            e1 = gl.exp2(s1 - shift1[:, None])
-            l1 = l1 * alpha1 + gl.sum(e1, axis=1)
-            acc = acc * alpha1 + gl.sum(e1 * diff, axis=1)
-            l2 = l2 * gl.exp2(m2 - shift2) + gl.sum(gl.exp2(s2 - shift2[:, None]), axis=1)
+            m1_new, m2_new, l1, l2, acc = _masked_tile(s1, s2, diff, m1, m2, l1, l2, acc)
         return m1_new, m2_new, l1, l2, acc, row_flags
 
     @gluon.jit
