@@ -21,7 +21,8 @@ s^T = k q^T of both sides (async wgmma), p^T and q^T from the saved row statisti
 dS2^T = g (q - p)^T, then dk2 += dS2^T q2 and dq2 += dS2 k2 (dS2^T through
 shared memory, which both products read), the dq2 tile added with element atomics (Gluon 3.6 has no TMA reduction).
 
-Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), bfloat16,
+Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), 16-bit
+(float16's upstream gradient rescaled as backward.py does: `upstream`),
 D 64 / 128 on both sides, no GQA on side 2, N multiples of 128 (keys) and 64 (queries), not
 deterministic, not varlen; everything else runs backward.py. Block masks (blocks of at least 128)
 and windows (LISTED, sixth session, simulator-checked, NOT yet run on a GPU): the key-major view
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from streamkl.backends.base import empty_rows_to_zero
 from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled, listed  # noqa: F401
 
 if GLUON_IMPORT_ERROR is None:
@@ -66,7 +68,7 @@ def stages(dim: int) -> int:
 def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
     if GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
         return False
-    if tuple(needs) != (False, False, True, True) or problem.dtype != torch.bfloat16:
+    if tuple(needs) != (False, False, True, True) or problem.dtype not in (torch.bfloat16, torch.float16):
         return False
     if problem.is_varlen:
         return False
@@ -222,6 +224,7 @@ if GLUON_IMPORT_ERROR is None:
     def _kl_bwd_gluon_kernel(
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
         LSE1, LSE2, GRAD, DQ2, DK2,
+        G_SCALE,  # NORM_G (float16): what GRAD was divided by
         Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,  # LISTED: the key-major schedule (128 x 128 tiles); else unused
         stride_sb, stride_sh, stride_sn,  # lse [B, H, N]
         stride_gb, stride_gn, stride_gh,  # g [B, N, H]
@@ -235,9 +238,12 @@ if GLUON_IMPORT_ERROR is None:
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
         LISTED: gl.constexpr,  # block masks or a window: walk the key schedule's query-tile lists
+        NORM_G: gl.constexpr,  # float16: GRAD was divided by G_SCALE (backward.py's reason)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
+        if NORM_G:  # the products are linear in g: the factor comes back with the softmax scale
+            out_scale2 = out_scale2 * gl.load(G_SCALE)
         seq = pid_bh // heads
         head = pid_bh % heads
         k0 = pid_k * 128
@@ -307,7 +313,7 @@ if GLUON_IMPORT_ERROR is None:
         )
 
 
-def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None):
+def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None, g_scale=None):
     """(grid, positional arguments, constexprs) of one launch. Block masks or a window (`listed`):
     `schedule` (query-major, 128 x 128 tiles) is walked through its key-major view."""
     from streamkl.backends.triton.common import broadcast_strides, group_sizes, log2_scales, window_bounds
@@ -328,7 +334,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         lists, list_strides, window = (lse1,) * 4, (0,) * 6, (-1, -1)
     args = (
         *(flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))),
-        lse1, lse2, grad_rows, dq2, dk2, *lists,
+        lse1, lse2, grad_rows, dq2, dk2, lse1 if g_scale is None else g_scale, *lists,
         *lse1.stride(), *grad_rows.stride(),
         dq2.stride(0), dq2.stride(1), dq2.stride(2), dk2.stride(0), dk2.stride(1), dk2.stride(2),
         *list_strides, *window,
@@ -337,8 +343,23 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     )  # fmt: skip
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
-                      DS_LAYOUT=ds_layout, LISTED=is_listed)
+                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None)
     return (k_programs * problem.batch * problem.heads,), args, constexprs
+
+
+def upstream(problem: Problem, grad_rows, lse1):
+    """(g, g_scale): the rows' upstream gradient in float32; for float16 inputs (dS is rounded to
+    float16, which keeps full precision only above 6e-5) divided by g_scale so that its peak is
+    backward.G_PEAK, empty rows zeroed first; g_scale None otherwise."""
+    from streamkl.backends.triton.backward import G_PEAK
+
+    g = grad_rows.float()
+    if problem.dtype != torch.float16:
+        return g, None
+    g = empty_rows_to_zero(g, lse1, False)  # before the peak is taken
+    top = g.abs().amax()
+    g_scale = torch.where(top > 0, top, torch.ones_like(top)) / G_PEAK
+    return g / g_scale, g_scale
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
@@ -346,7 +367,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     masks or a window, a schedule of 128 x 128 tiles be given)."""
     dq2 = torch.zeros(q2.shape, dtype=torch.float32, device=q2.device)
     dk2 = torch.empty_like(k2)
-    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, grad_rows.float(), dq2, dk2, schedule)
+    g, g_scale = upstream(problem, grad_rows, lse1)
+    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, dq2, dk2, schedule, g_scale)
     _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
     return None, None, dq2.to(q2.dtype), dk2
 
@@ -362,11 +384,12 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     list_names = ("stride_cs", "stride_ch", "stride_ct", "stride_is", "stride_ih", "stride_it", "window_left",
                   "window_right")
     examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
-    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu,
-                    Q_FLAGS=torch.zeros(3, dtype=torch.int8))
+    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, G_SCALE=stats)
+    examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "group1"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
-                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed)
+                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
+                      NORM_G=dtype == torch.float16)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
