@@ -542,6 +542,85 @@ def test_gluon_switch_reads_attribute_then_environment(monkeypatch):
     assert gluon_forward.setting() is False and not gluon_forward.enabled()
 
 
+def test_gluon_scope_rules_on_any_machine(monkeypatch):
+    """Which problems the Gluon kernels take, by default and when forced, checked without a GPU:
+    problems built from CPU tensors, then marked as on an sm_90 device (the rules read shapes,
+    dtypes, masks and strides, not data). The GPU tests check the same choices by running them."""
+    import dataclasses
+
+    from streamkl.backends.triton import common, gluon_backward, gluon_forward
+    from streamkl.backends.triton.forward import gluon_serves
+    from streamkl.problem import build_problem
+    from streamkl.sparse.schedule import get_schedule
+
+    if gluon_forward.GLUON_IMPORT_ERROR is not None:
+        pytest.skip(f"no Gluon in this triton: {gluon_forward.GLUON_IMPORT_ERROR}")
+    monkeypatch.setattr(common, "capability", lambda index: (9, 0))
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", None)
+    monkeypatch.delenv("STREAMKL_GLUON", raising=False)
+    monkeypatch.setattr(gluon_forward, "OVERLAP", False)
+
+    def case(dims=(128, 128), n=(256, 256), dtype=torch.bfloat16, **kwargs):
+        x = make_inputs((2, n[0]), (2, n[1]), 4, (2, 4), dims, dtype, "cpu")
+        problem = dataclasses.replace(build_problem(*x, **kwargs), device=torch.device("cuda", 0))
+        return problem, x
+
+    def default_and_forced(problem, x):
+        monkeypatch.setattr(gluon_forward, "USE_GLUON", None)
+        default = gluon_forward.chosen(problem, *x)
+        monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+        forced = gluon_forward.chosen(problem, *x)
+        monkeypatch.setattr(gluon_forward, "USE_GLUON", None)
+        return default, forced
+
+    mask = BlockMask.from_dense(torch.ones(1, 1, 2, 2, dtype=torch.bool), 128)
+    small = BlockMask.from_dense(torch.ones(1, 1, 4, 4, dtype=torch.bool), 64)
+    assert default_and_forced(*case()) == (True, True)
+    assert default_and_forced(*case(causal=True, n=(200, 77))) == (True, True)  # tails, empty rows
+    assert default_and_forced(*case(dims=(64, 64))) == (False, True)
+    assert default_and_forced(*case(dims=(128, 64))) == (False, True)
+    assert default_and_forced(*case(dims=(128, 96))) == (False, False)
+    assert default_and_forced(*case(dtype=torch.float32)) == (False, False)
+    assert default_and_forced(*case(mask1=mask, mask2=mask)) == (False, True)
+    assert default_and_forced(*case(window=(64, 0))) == (False, True)
+    assert default_and_forced(*case(mask1=small)) == (False, False)  # blocks smaller than the tiles
+    problem, x = case()
+    x_t = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in x]  # same shapes, other strides
+    assert default_and_forced(problem, x_t) == (False, False)
+    monkeypatch.setattr(gluon_forward, "OVERLAP", True)  # 64-key tiles: not the schedule's
+    assert default_and_forced(*case(mask1=mask, mask2=mask)) == (False, False)
+    monkeypatch.setattr(gluon_forward, "OVERLAP", False)
+    monkeypatch.setenv("STREAMKL_GLUON", "0")
+    problem, x = case()
+    assert not gluon_forward.chosen(problem, *x)
+    monkeypatch.delenv("STREAMKL_GLUON")
+    def sched(problem, block):  # the schedule, built on the CPU
+        return get_schedule(dataclasses.replace(problem, device=torch.device("cpu")), block, block)
+
+    # the forward's own checks around it: split-K grids and the schedule's tiles
+    monkeypatch.setattr("streamkl.backends.triton.forward._multiprocessors", lambda index: 132)
+    monkeypatch.setattr("streamkl.backends.triton.forward.interpreting", lambda: False)
+    problem, x = case()
+    assert gluon_serves(problem, *x, sched(problem, 128))
+    problem, x = case(n=(128, 65536))
+    assert not gluon_serves(problem, *x, sched(problem, 128))  # split over the keys
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    problem, x = case(mask1=mask, mask2=mask)
+    assert gluon_serves(problem, *x, sched(problem, 128))
+    assert not gluon_serves(problem, *x, sched(problem, 64))
+    # the experimental backward: forced only, student gradients, 16-bit, no GQA on side 2
+    student = (False, False, True, True)
+    problem, x = case()
+    assert gluon_backward.applies(problem, *x, student, False)
+    assert not gluon_backward.applies(problem, *x, (True, True, True, True), False)
+    assert not gluon_backward.applies(problem, *x, student, True)  # deterministic
+    x2 = make_inputs((2, 256), (2, 256), 4, (4, 2), (128, 128), torch.bfloat16, "cpu")
+    problem = dataclasses.replace(build_problem(*x2), device=torch.device("cuda", 0))
+    assert not gluon_backward.applies(problem, *x2, student, False)
+    problem, x = case(mask1=mask, mask2=mask, causal=True)
+    assert gluon_backward.applies(problem, *x, student, False)
+
+
 @gpu
 def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     """With no switch set, an sm_90 GPU runs the Gluon forward for dense 16-bit problems at head dim
