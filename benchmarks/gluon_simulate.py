@@ -242,7 +242,9 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     dq2 = torch.zeros(q2.shape, dtype=torch.float32)
     dk2 = torch.empty_like(k2)
     saved1 = lse1.float().contiguous()
-    g, g_scale = gluon_backward.upstream(problem, upstream, saved1)  # float16: rescaled to a peak of 64
+    from streamkl.backends.triton.backward import rescaled_upstream
+
+    g, g_scale = rescaled_upstream(problem, upstream, saved1)  # float16: rescaled to a peak of 64
     grid, args, constexprs = gluon_backward.launch_args(
         problem, q1, k1, q2, k2, saved1, lse2.float().contiguous(), g, dq2, dk2, schedule, g_scale
     )

@@ -615,6 +615,24 @@ def atomic_head_chunks(problem: Problem, k_programs: int, group_drive: int) -> i
     return max(chunks, 1)
 
 
+def rescaled_upstream(problem: Problem, grad_rows: torch.Tensor, lse1: torch.Tensor):
+    """(g, g_scale): the rows' upstream gradient in float32 and what it was divided by (None: not).
+
+    dS = g (q - p) is rounded to the input dtype for the next products, and float16 keeps full
+    precision only above 6e-5: the mean over N * H rows makes g ~ 1 / (N * H), which would flush
+    most of dS to 0 at long contexts. For float16 inputs g is rescaled so that its largest
+    magnitude is G_PEAK (the products are linear in it; |dS2| <= G_PEAK, |dS1| <= G_PEAK p |d - E|),
+    empty rows zeroed first, and the kernels multiply the factor back in float32 with the softmax
+    scales. bfloat16 has float32's range and skips this. No host sync."""
+    grad_rows = grad_rows.float()
+    if problem.dtype != torch.float16:
+        return grad_rows, None
+    grad_rows = empty_rows_to_zero(grad_rows, lse1, problem.is_varlen)  # before the peak is taken
+    top = grad_rows.abs().amax()
+    g_scale = torch.where(top > 0, top, torch.ones_like(top)) / G_PEAK
+    return grad_rows / g_scale, g_scale
+
+
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule: TileSchedule, needs):
     """Launch the backward: (dq1, dk1, dq2, dk2) in the input dtype, None where not needed."""
     varlen = problem.is_varlen
@@ -631,19 +649,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule)  # experimental
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
     dk2 = _grad_buffer(k2, varlen) if need_dk2 else None
-    grad_rows = grad_rows.float()
-    g_scale = None
-    if problem.dtype == torch.float16:
-        # dS = g (q - p) is rounded to the input dtype for the next products, and float16 keeps full
-        # precision only above 6e-5: the mean over N * H rows makes g ~ 1 / (N * H), which would
-        # flush most of dS to 0 at long contexts. g is rescaled so that its largest magnitude is
-        # G_PEAK (the products are linear in it; |dS2| <= G_PEAK, |dS1| <= G_PEAK p |d - E|), and
-        # the kernels multiply the factor back in float32 with the softmax scales. bfloat16 has
-        # float32's range and skips this.
-        grad_rows = empty_rows_to_zero(grad_rows, lse1, varlen)  # before the peak is taken
-        top = grad_rows.abs().amax()
-        g_scale = torch.where(top > 0, top, torch.ones_like(top)) / G_PEAK
-        grad_rows = grad_rows / g_scale
+    grad_rows, g_scale = rescaled_upstream(problem, grad_rows, lse1)
     block_d1, block_d2 = dim_blocks(problem)
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)

@@ -22,7 +22,7 @@ dS2^T = g (q - p)^T, then dk2 += dS2^T q2 and dq2 += dS2 k2 (dS2^T through
 shared memory, which both products read), the dq2 tile added with element atomics (Gluon 3.6 has no TMA reduction).
 
 Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), 16-bit
-(float16's upstream gradient rescaled as backward.py does: `upstream`),
+(float16's upstream gradient rescaled by backward.rescaled_upstream),
 D 64 / 128 on both sides, no GQA on side 2, N multiples of 128 (keys) and 64 (queries), not
 deterministic, not varlen; everything else runs backward.py. Block masks (blocks of at least 128)
 and windows (LISTED, sixth session, simulator-checked, NOT yet run on a GPU): the key-major view
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 
-from streamkl.backends.base import empty_rows_to_zero
 from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled, listed  # noqa: F401
 
 if GLUON_IMPORT_ERROR is None:
@@ -347,27 +346,14 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     return (k_programs * problem.batch * problem.heads,), args, constexprs
 
 
-def upstream(problem: Problem, grad_rows, lse1):
-    """(g, g_scale): the rows' upstream gradient in float32; for float16 inputs (dS is rounded to
-    float16, which keeps full precision only above 6e-5) divided by g_scale so that its peak is
-    backward.G_PEAK, empty rows zeroed first; g_scale None otherwise."""
-    from streamkl.backends.triton.backward import G_PEAK
-
-    g = grad_rows.float()
-    if problem.dtype != torch.float16:
-        return g, None
-    g = empty_rows_to_zero(g, lse1, False)  # before the peak is taken
-    top = g.abs().amax()
-    g_scale = torch.where(top > 0, top, torch.ones_like(top)) / G_PEAK
-    return g / g_scale, g_scale
-
-
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
     """(None, None, dq2, dk2) through the Gluon kernel; `applies()` must hold (and, with block
     masks or a window, a schedule of 128 x 128 tiles be given)."""
     dq2 = torch.zeros(q2.shape, dtype=torch.float32, device=q2.device)
     dk2 = torch.empty_like(k2)
-    g, g_scale = upstream(problem, grad_rows, lse1)
+    from streamkl.backends.triton.backward import rescaled_upstream
+
+    g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
     grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, dq2, dk2, schedule, g_scale)
     _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
     return None, None, dq2.to(q2.dtype), dk2
