@@ -584,6 +584,13 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert default_and_forced(*case(mask1=mask, mask2=mask)) == (False, True)
     assert default_and_forced(*case(window=(64, 0))) == (False, True)
     assert default_and_forced(*case(mask1=small)) == (False, False)  # blocks smaller than the tiles
+    x = make_inputs((512,), (512,), 4, (2, 4), (128, 128), torch.bfloat16, "cpu")
+    cu = torch.tensor([0, 256, 512], dtype=torch.int32)
+    packed = BlockMask.from_dense(torch.ones(2, 1, 2, 2, dtype=torch.bool), 128)
+    problem = dataclasses.replace(build_problem(*x, cu_seqlens=cu), device=torch.device("cuda", 0))
+    assert default_and_forced(problem, x) == (True, True)  # packed sequences
+    problem = dataclasses.replace(build_problem(*x, cu_seqlens=cu, mask1=packed), device=torch.device("cuda", 0))
+    assert default_and_forced(problem, x) == (False, False)  # packed with block masks: not yet
     problem, x = case()
     x_t = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in x]  # same shapes, other strides
     assert default_and_forced(problem, x_t) == (False, False)

@@ -33,7 +33,7 @@ Block masks and windows (`listed`; forced only, written in the sixth session aft
 run, checked under the simulator): the kernel walks the schedule's key-tile lists (128 x 128
 tiles; mask blocks of at least 128), the producer loading the listed tiles, the consumers masking
 the partial ones as their flags say (forward._fwd_step's rules: uncovered rows read +inf, rows
-without a side-1 key are empty); plain variant only.
+without a side-1 key are empty); plain variant, dense (not packed) sequences only.
 
 Scope (`applies()`): dense or packed (varlen) sequences of any
 lengths (tails: a last partial query tile's rows are not written, a last partial key tile and the
@@ -134,7 +134,7 @@ def applies(problem: Problem, q1, k1, q2, k2) -> bool:
     if problem.dtype not in (torch.float16, torch.bfloat16):
         return False
     if listed(problem):  # the plain variant's 128-key tiles, which must not straddle a mask block
-        if OVERLAP:
+        if OVERLAP or problem.is_varlen:  # (packed sequences with block masks: not checked yet)
             return False
         for mask in (problem.mask1, problem.mask2):
             if mask is not None and (mask.block_q < BLOCK_M or mask.block_k < 128):
