@@ -581,8 +581,10 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert default_and_forced(*case(dims=(128, 64))) == (False, True)
     assert default_and_forced(*case(dims=(128, 96))) == (False, False)
     assert default_and_forced(*case(dtype=torch.float32)) == (False, False)
-    assert default_and_forced(*case(mask1=mask, mask2=mask)) == (False, True)
-    assert default_and_forced(*case(window=(64, 0))) == (False, True)
+    assert default_and_forced(*case(mask1=mask, mask2=mask)) == (True, True)
+    assert default_and_forced(*case(mask1=mask, causal=True, window=(300, -1))) == (True, True)
+    assert default_and_forced(*case(dims=(64, 64), mask2=mask)) == (False, True)
+    assert default_and_forced(*case(window=(64, 0))) == (False, True)  # a window alone: not measured
     assert default_and_forced(*case(mask1=small)) == (False, False)  # blocks smaller than the tiles
     x = make_inputs((512,), (512,), 4, (2, 4), (128, 128), torch.bfloat16, "cpu")
     cu = torch.tensor([0, 256, 512], dtype=torch.int32)
@@ -615,8 +617,29 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     problem, x = case(mask1=mask, mask2=mask)
     assert gluon_serves(problem, *x, sched(problem, 128))
     assert not gluon_serves(problem, *x, sched(problem, 64))
-    # the experimental backward: forced only, student gradients, 16-bit, no GQA on side 2
+    # the backward: student gradients, 16-bit, no GQA on side 2; by default D=128 causal or masked
     student = (False, False, True, True)
+
+    def backward_default_and_forced(problem, x, needs=student, deterministic=False):
+        result = []
+        for use in (None, True):
+            monkeypatch.setattr(gluon_forward, "USE_GLUON", use)
+            result.append(gluon_backward.chosen(problem, *x, needs, deterministic))
+        monkeypatch.setattr(gluon_forward, "USE_GLUON", None)
+        return tuple(result)
+
+    assert backward_default_and_forced(*case()) == (False, True)  # non-causal dense: measured slower
+    assert backward_default_and_forced(*case(causal=True)) == (True, True)
+    assert backward_default_and_forced(*case(causal=True, window=(64, -1))) == (False, True)
+    assert backward_default_and_forced(*case(window=(64, 64))) == (False, True)
+    assert backward_default_and_forced(*case(mask1=mask, mask2=mask)) == (True, True)
+    assert backward_default_and_forced(*case(mask2=mask, window=(64, 64))) == (True, True)
+    assert backward_default_and_forced(*case(causal=True, dims=(64, 64))) == (False, True)
+    assert backward_default_and_forced(*case(causal=True), (True, True, True, True)) == (False, False)
+    assert backward_default_and_forced(*case(causal=True), student, True) == (False, False)
+    monkeypatch.setenv("STREAMKL_GLUON", "0")
+    assert backward_default_and_forced(*case(causal=True))[0] is False  # (USE_GLUON=True outranks it)
+    monkeypatch.delenv("STREAMKL_GLUON")
     problem, x = case()
     assert gluon_backward.applies(problem, *x, student, False)
     assert not gluon_backward.applies(problem, *x, (True, True, True, True), False)
@@ -630,11 +653,14 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
 
 @gpu
 def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
-    """With no switch set, an sm_90 GPU runs the Gluon forward for dense 16-bit problems at head dim
-    128 (measured 0.73-0.77x the SDPA forward against the Triton kernel's 0.89x), and the Triton
-    kernel at head dim 64 (Gluon measured slower there), for grids the Triton kernel splits over
-    the keys, and when STREAMKL_GLUON=0; the student backward stays backward.py."""
-    from streamkl.backends.triton import gluon_backward
+    """With no switch set, an sm_90 GPU runs the Gluon forward for 16-bit problems at head dim
+    128, dense or block-masked (measured 0.73-0.77x the SDPA forward against the Triton kernel's
+    0.89x; 0.56 against 0.71 ms at 90 % block sparsity), and the Triton kernel at head dim 64
+    (Gluon measured slower there), for grids the Triton kernel splits over the keys, with a window
+    alone, and when STREAMKL_GLUON=0; the Gluon student backward at head dim 128 with causality or
+    block masks (its float32 dq2 in head chunks where backward.py's would be), backward.py
+    elsewhere."""
+    from streamkl.backends.triton import backward, gluon_backward
 
     gluon_forward = _gluon()
     if torch.cuda.get_device_capability()[0] != 9:
@@ -661,14 +687,26 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     x = make_inputs((1, 128), (1, 65536), 1, (1, 1), (128, 128), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton", causal=True)
     assert len(calls) == 2  # one query tile against 512 key tiles: the split-K Triton kernel
-    mask = streamkl.BlockMask.from_dense(torch.ones(1, 1, 2, 2, dtype=torch.bool, device=DEVICE), 128)
-    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE)
-    check_against_reference(x, "triton", mask1=mask, mask2=mask)
-    assert len(calls) == 2  # block masks: the Triton kernel by default (Gluon's lists not yet timed)
-    monkeypatch.setenv("STREAMKL_GLUON", "0")
-    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE)
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", window=(100, 20))
+    assert len(calls) == 2 and not bwd_calls  # a window alone: the Triton kernels (not measured)
     check_against_reference(x, "triton")
-    assert len(calls) == 2
+    assert len(calls) == 3 and not bwd_calls  # dense non-causal: the Triton backward (measured faster)
+    check_against_reference(x, "triton", causal=True)
+    assert len(calls) == 4 and len(bwd_calls) == 1  # dense causal: the Gluon backward
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", 2)
+    check_against_reference(x, "triton", causal=True)  # its dq2 accumulated one head chunk at a time
+    assert len(calls) == 5 and len(bwd_calls) == 2
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", None)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    masks = [streamkl.BlockMask.from_dense(torch.rand(1, 2, 2, 2, device=DEVICE, generator=g) < 0.7, 128)
+             for _ in range(2)]
+    check_against_reference(x, "triton", mask1=masks[0], mask2=masks[1])
+    assert len(calls) == 6 and len(bwd_calls) == 3  # block masks: both Gluon kernels, through the lists
+    monkeypatch.setenv("STREAMKL_GLUON", "0")
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", causal=True)
+    assert len(calls) == 6 and len(bwd_calls) == 3
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled, listed  # noqa: F401
+from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled, listed, setting  # noqa: F401
 
 if GLUON_IMPORT_ERROR is None:
     from streamkl.backends.triton.gluon_forward import (
@@ -62,6 +62,23 @@ LN2 = 0.6931471805599453
 def stages(dim: int) -> int:
     """Ring slots of both sides' query tiles (D=128: 2 x 32 KB each next to 64 KB of keys)."""
     return 3 if dim > 64 else 4
+
+
+def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
+    """Whether this backward runs the Gluon kernel: where it applies, by default at head dim 128
+    with causality (no window, no block masks) or with block masks (measured faster than
+    backward.py there: H200, N=16K, seventh session, 7.0 against 7.8 ms causal and 1.71 against
+    1.85 ms at 90 % block sparsity; slower without causality or masks, 15.7 against 14.7 ms, and at
+    head dim 64); everywhere it applies when forced (`gluon_forward.setting()`)."""
+    use = setting()
+    if use is False:
+        return False
+    if use is None:
+        masked = problem.mask1 is not None or problem.mask2 is not None
+        dense_causal = problem.causal and problem.window == (-1, -1) and not masked
+        if problem.dim2 != 128 or not (masked or dense_causal):
+            return False
+    return applies(problem, q1, k1, q2, k2, needs, deterministic)
 
 
 def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
@@ -232,7 +249,7 @@ if GLUON_IMPORT_ERROR is None:
         stride_cs, stride_ch, stride_ct,  # the key schedule's counts [S', H', nK] (broadcast strides)
         stride_is, stride_ih, stride_it,  # its lists [S', H', nK, nQ], the last dim contiguous
         window_left, window_right,  # LISTED: causality folded into window_right; -1 unbounded
-        seqlen_q, seqlen_k, heads, group1,
+        seqlen_q, seqlen_k, heads, head_lo, group1,  # heads: this launch's chunk of them, from head_lo
         scale1, scale2, out_scale2, k_programs,
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
@@ -244,7 +261,7 @@ if GLUON_IMPORT_ERROR is None:
         if NORM_G:  # the products are linear in g: the factor comes back with the softmax scale
             out_scale2 = out_scale2 * gl.load(G_SCALE)
         seq = pid_bh // heads
-        head = pid_bh % heads
+        head = head_lo + pid_bh % heads
         k0 = pid_k * 128
         offset = seqlen_k - seqlen_q
         first_tile = 0
@@ -284,7 +301,7 @@ if GLUON_IMPORT_ERROR is None:
         seq64 = seq.to(gl.int64)
         o_stat = seq64 * stride_sb + head * stride_sh
         o_grad = seq64 * stride_gb + head * stride_gh
-        o_dq = seq64 * stride_dqb + head * stride_dqh
+        o_dq = seq64 * stride_dqb + (head - head_lo) * stride_dqh  # the chunk's float32 accumulator
         o_dk = seq64 * stride_dkb + head * stride_dkh
         q_row = seq * seqlen_q
         k_row = seq * seqlen_k + k0
@@ -312,9 +329,12 @@ if GLUON_IMPORT_ERROR is None:
         )
 
 
-def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None, g_scale=None):
-    """(grid, positional arguments, constexprs) of one launch. Block masks or a window (`listed`):
-    `schedule` (query-major, 128 x 128 tiles) is walked through its key-major view."""
+def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None, g_scale=None,
+                head_lo: int = 0, heads: int | None = None):
+    """(grid, positional arguments, constexprs) of one launch over `heads` heads from `head_lo`
+    (default all of them); `dq2` is the float32 accumulator of those heads [B, N, heads, D]. Block
+    masks or a window (`listed`): `schedule` (query-major, 128 x 128 tiles) is walked through its
+    key-major view."""
     from streamkl.backends.triton.common import broadcast_strides, group_sizes, log2_scales, window_bounds
     from streamkl.backends.triton.gluon_forward import listed
     from streamkl.sparse.schedule import get_key_schedule
@@ -322,6 +342,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     group1, _ = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
     k_programs = problem.seqlen_k // BLOCK_N
+    heads = problem.heads if heads is None else heads
     is_listed = listed(problem)
     if is_listed:
         assert schedule is not None and (schedule.block_q, schedule.block_k) == (128, BLOCK_N)
@@ -337,26 +358,39 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         *lse1.stride(), *grad_rows.stride(),
         dq2.stride(0), dq2.stride(1), dq2.stride(2), dk2.stride(0), dk2.stride(1), dk2.stride(2),
         *list_strides, *window,
-        problem.seqlen_q, problem.seqlen_k, problem.heads, group1,
+        problem.seqlen_q, problem.seqlen_k, heads, head_lo, group1,
         scale1, scale2, scale2 * LN2, k_programs,
     )  # fmt: skip
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None)
-    return (k_programs * problem.batch * problem.heads,), args, constexprs
+    return (k_programs * problem.batch * heads,), args, constexprs
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
     """(None, None, dq2, dk2) through the Gluon kernel; `applies()` must hold (and, with block
-    masks or a window, a schedule of 128 x 128 tiles be given)."""
-    dq2 = torch.zeros(q2.shape, dtype=torch.float32, device=q2.device)
-    dk2 = torch.empty_like(k2)
-    from streamkl.backends.triton.backward import rescaled_upstream
+    masks or a window, a schedule of 128 x 128 tiles be given). The float32 dq2 accumulator holds
+    one chunk of the heads at a time, chunked as backward.py's atomic pass is
+    (`backward.atomic_head_chunks`: two where each launch still fills the GPU three times over), so
+    the extra memory stays under the size of the gradients returned."""
+    from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
 
+    dk2 = torch.empty_like(k2)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
-    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, dq2, dk2, schedule, g_scale)
-    _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
-    return None, None, dq2.to(q2.dtype), dk2
+    chunks = atomic_head_chunks(problem, problem.seqlen_k // BLOCK_N, 1)
+    per_chunk = problem.heads // chunks
+    accum = torch.zeros((*q2.shape[:2], per_chunk, q2.shape[3]), dtype=torch.float32, device=q2.device)
+    dq2 = torch.empty_like(q2) if chunks > 1 else None
+    for chunk in range(chunks):
+        lo = chunk * per_chunk
+        if chunk:
+            accum.zero_()
+        grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum, dk2, schedule, g_scale,
+                                             lo, per_chunk)
+        _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
+        if chunks > 1:
+            dq2[:, :, lo:lo + per_chunk].copy_(accum)
+    return None, None, dq2 if chunks > 1 else accum.to(q2.dtype), dk2
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False):
@@ -373,7 +407,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, G_SCALE=stats)
     examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
-    examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "group1"), 1024))
+    examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
