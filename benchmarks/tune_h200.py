@@ -243,34 +243,26 @@ def main():
                         record(kind="gluon", d=d, causal=causal, overlap=overlap, error=repr(exc)[:600])
                     finally:
                         gluon_forward.USE_GLUON, gluon_forward.OVERLAP = None, False
-        # the student backward (gluon_backward.py, with the plain Gluon forward) against backward.py;
-        # at D=128 both orders of its dk2 / dq2 products (gluon_backward.ONE_WAIT)
-        from streamkl.backends.triton import gluon_backward
-
-        one_wait_default = gluon_backward.ONE_WAIT
+        # the student backward (gluon_backward.py, with the plain Gluon forward) against backward.py
         for d in (128, 64) if "bwd" in parts else ():
             for causal in (False, True):
                 xs = inputs(n, h, d, grads=(False, False, True, True))
-                for one_wait in (False, True) if d > 64 else (one_wait_default,):
-                    try:
-                        times, grads = {}, {}
-                        gluon_backward.ONE_WAIT = one_wait
-                        for use in (False, True):
-                            gluon_forward.USE_GLUON = use
-                            fwd = bench(kl_fn(xs, causal=causal))
-                            times[use] = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
-                            grads[use] = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal),
-                                                             xs[2:])
-                        err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                                  for a, b in zip(grads[True], grads[False]))
-                        record(kind="gluon_bwd", d=d, causal=causal, one_wait=one_wait, ms=times[True],
-                               triton_ms=times[False], vs_sdpa=times[True] / sdpa[d, causal][1],
-                               triton_vs_sdpa=times[False] / sdpa[d, causal][1], rel_err_vs_triton=err)
-                    except Exception as exc:  # noqa: BLE001
-                        record(kind="gluon_bwd", d=d, causal=causal, one_wait=one_wait, error=repr(exc)[:600])
-                    finally:
-                        gluon_forward.USE_GLUON = None
-                        gluon_backward.ONE_WAIT = one_wait_default
+                try:
+                    times, grads = {}, {}
+                    for use in (False, True):
+                        gluon_forward.USE_GLUON = use
+                        fwd = bench(kl_fn(xs, causal=causal))
+                        times[use] = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
+                        grads[use] = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal), xs[2:])
+                    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                              for a, b in zip(grads[True], grads[False]))
+                    record(kind="gluon_bwd", d=d, causal=causal, ms=times[True], triton_ms=times[False],
+                           vs_sdpa=times[True] / sdpa[d, causal][1], triton_vs_sdpa=times[False] / sdpa[d, causal][1],
+                           rel_err_vs_triton=err)
+                except Exception as exc:  # noqa: BLE001
+                    record(kind="gluon_bwd", d=d, causal=causal, error=repr(exc)[:600])
+                finally:
+                    gluon_forward.USE_GLUON = None
     if "chunks" in sections:
         # student backward, D=128, by length: each key-major configuration with the atomic pass in
         # one launch or two head chunks (the chunks halve its float32 dq buffer), and the

@@ -59,12 +59,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
-#: D=128: the tile's dq2 product issued right behind dk2's (both asynchronous, one wait), the query
-#: slot released after both; False: dk2's product waited for, the slot released, then dq2's
-#: (as timed in rounds 12-13). Seventh session, written after its GPU timing; see tune_h200.md.
-ONE_WAIT = True
-
-
 def stages(dim: int) -> int:
     """Ring slots of both sides' query tiles (D=128: 2 x 32 KB each next to 64 KB of keys)."""
     return 3 if dim > 64 else 4
@@ -123,7 +117,7 @@ if GLUON_IMPORT_ERROR is None:
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, LISTED: gl.constexpr, ONE_WAIT: gl.constexpr):
+                      CAUSAL: gl.constexpr, LISTED: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -209,19 +203,13 @@ if GLUON_IMPORT_ERROR is None:
             hopper.fence_async_shared()
             mbarrier.arrive(ds_bar.index(i % 2), count=1)
             dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
-            if ONE_WAIT and D > 64:  # the dq2 product issued behind dk2's, one wait for both
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False, is_async=True)
-                dk, dq = hopper.warpgroup_mma_wait(0, deps=[dk, dq])
-            else:
-                dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+            dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
             if LISTED:  # listed tiles are not consecutive: the base from this step's first row
                 p_tile = DQ2 + o_dq + (o_dq * 0 + tile_row0) * stride_dqn
             if D > 64:
-                if not ONE_WAIT:
-                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                    dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
+                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
                 gl.atomic_add(p_tile + (o_qd[:, None] * stride_dqn + (WG * 64 + o_dq_col)[None, :]), dq * out_scale2,
                               sem="relaxed")
             elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
@@ -240,13 +228,13 @@ if GLUON_IMPORT_ERROR is None:
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, ONE_WAIT: gl.constexpr):
+                        LISTED: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, ONE_WAIT)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -267,7 +255,6 @@ if GLUON_IMPORT_ERROR is None:
         DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
         LISTED: gl.constexpr,  # block masks or a window: walk the key schedule's query-tile lists
         NORM_G: gl.constexpr,  # float16: GRAD was divided by G_SCALE (backward.py's reason)
-        ONE_WAIT: gl.constexpr,  # D=128: dk2's and dq2's products in flight together (`ONE_WAIT`)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -325,13 +312,13 @@ if GLUON_IMPORT_ERROR is None:
                                  stride_sn, stride_gn, stride_dqn, stride_dkn,
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, ONE_WAIT)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, ONE_WAIT)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -376,7 +363,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     )  # fmt: skip
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
-                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, ONE_WAIT=ONE_WAIT)
+                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None)
     return (k_programs * problem.batch * heads,), args, constexprs
 
 
@@ -424,5 +411,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, ONE_WAIT=ONE_WAIT)
+                      NORM_G=dtype == torch.float16)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
