@@ -231,10 +231,18 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     from streamkl.reference import reference_kl
 
     g = torch.Generator().manual_seed(1)
-    q1, q2 = (torch.randn(batch, n_q, heads, dim, generator=g).to(dtype) for _ in range(2))
-    k1 = torch.randn(batch, n_k, heads_k1, dim, generator=g).to(dtype)
-    k2 = torch.randn(batch, n_k, heads, dim, generator=g).to(dtype)
     kwargs = {}
+    if isinstance(batch, list):  # varlen: (len_q, len_k) per sequence, then rows past cu_seqlens[-1]
+        lens_q, lens_k = zip(*batch)
+        cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+        shape_q, shape_k = (int(cu_q[-1]) + 64,), (int(cu_k[-1]) + 128,)
+        kwargs = dict(cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    else:
+        shape_q, shape_k = (batch, n_q), (batch, n_k)
+    q1, q2 = (torch.randn(*shape_q, heads, dim, generator=g).to(dtype) for _ in range(2))
+    k1 = torch.randn(*shape_k, heads_k1, dim, generator=g).to(dtype)
+    k2 = torch.randn(*shape_k, heads, dim, generator=g).to(dtype)
     problem, schedule = _listed_problem((q1, k1, q2, k2), causal, kwargs, masks, window, heads, n_q, n_k, g)
     leaves = [t.double().requires_grad_(i >= 2) for i, t in enumerate((q1, k1, q2, k2))]
     ref, lse1, lse2 = reference_kl(*leaves, causal=causal, **kwargs)
@@ -243,8 +251,8 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     ref_dq2, ref_dk2 = torch.autograd.grad((ref * upstream).sum(), leaves[2:])
     dq2 = torch.zeros(q2.shape, dtype=torch.float32)
     per_chunk = heads // chunks
-    accum = torch.zeros((*q2.shape[:2], per_chunk, dim), dtype=torch.float32)
-    dk2 = torch.empty_like(k2)
+    accum = torch.zeros((*q2.shape[:-2], per_chunk, dim), dtype=torch.float32)
+    dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)  # as kl_backward
     saved1 = lse1.float().contiguous()
     from streamkl.backends.triton.backward import rescaled_upstream
 
@@ -258,7 +266,7 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
             lo, per_chunk,
         )
         kernel[grid](*args, **constexprs, num_warps=4)
-        dq2[:, :, lo:lo + per_chunk] = accum
+        dq2[..., lo:lo + per_chunk, :] = accum
 
     def err(a, e):
         return ((a.double() - e).norm() / e.norm()).item()
@@ -266,7 +274,8 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     errors = err(dq2, ref_dq2), err(dk2, ref_dk2)
     extra = (f" masks {masks}" if masks is not None else "") + (f" window {window}" if window != (-1, -1) else "")
     extra += f" in {chunks} head chunks" if chunks > 1 else ""
-    print(f"backward B{batch} Nq{n_q} Nk{n_k} H{heads} Hk1 {heads_k1} D{dim} causal={causal}{extra}: relative L2 error "
+    what = f"varlen {batch}" if isinstance(batch, list) else f"B{batch} Nq{n_q} Nk{n_k}"
+    print(f"backward {what} H{heads} Hk1 {heads_k1} D{dim} causal={causal}{extra}: relative L2 error "
           f"dq2 {errors[0]:.1e}, dk2 {errors[1]:.1e} ({time.time() - start:.1f} s)", flush=True)
     return max(errors)
 
@@ -320,9 +329,13 @@ def main():
         # the float32 dq2 accumulator in head chunks (seventh session), GQA groups on side 1
         (1, 128, 256, 4, 2, 64, True, torch.float16, None, (-1, -1), 2),
         (1, 256, 256, 4, 2, 64, False, torch.float16, (0.7, 0.6), (-1, -1), 2),
+        # packed sequences of whole tiles (seventh session): empty ones, rows past cu_seqlens[-1]
+        ([(128, 256), (0, 0), (64, 128), (192, 384)], 0, 0, 2, 1, 64, True),
+        ([(128, 128), (0, 128), (64, 0), (256, 256)], 0, 0, 2, 2, 64, False),
+        ([(128, 256), (192, 256)], 0, 0, 4, 2, 128, True, torch.float16, None, (-1, -1), 2),
     ]
     if "--new" in sys.argv:
-        backward_cases = backward_cases[7:]
+        backward_cases = backward_cases[9:]
     worst = max(simulate_backward(triton_viz, client, *case) for case in backward_cases)
     print(f"worst relative error {worst:.1e}")
     sys.exit(0 if worst < 2e-2 else 1)

@@ -640,6 +640,23 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     monkeypatch.setenv("STREAMKL_GLUON", "0")
     assert backward_default_and_forced(*case(causal=True))[0] is False  # (USE_GLUON=True outranks it)
     monkeypatch.delenv("STREAMKL_GLUON")
+    # packed sequences: whole tiles only (queries multiples of 64, keys of 128, lengths on the host)
+    def packed(lens, causal=True, **kwargs):
+        cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32)
+        xp = make_inputs((int(cu_q[-1]) + 3,), (int(cu_k[-1]),), 4, (2, 4), (128, 128), torch.bfloat16, "cpu")
+        built = build_problem(*xp, cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=causal, **kwargs)
+        return dataclasses.replace(built, device=torch.device("cuda", 0)), xp
+
+    assert backward_default_and_forced(*packed([(128, 256), (0, 0), (64, 128)])) == (True, True)
+    assert backward_default_and_forced(*packed([(128, 256), (64, 128)], causal=False)) == (False, True)
+    assert backward_default_and_forced(*packed([(128, 256), (100, 128)])) == (False, False)  # a partial tile
+    assert backward_default_and_forced(*packed([(128, 200)])) == (False, False)
+    assert backward_default_and_forced(*packed([(256, 128)])) == (False, False)  # causal, fewer keys: empty rows
+    assert backward_default_and_forced(*packed([(128, 256)], causal=False, window=(64, 64))) == (False, False)
+    problem, xp = packed([(128, 256)])
+    problem.extra.pop("host_cu")  # lengths not known on the host (a graph capture, torch.compile)
+    assert backward_default_and_forced(problem, xp) == (False, False)
     problem, x = case()
     assert gluon_backward.applies(problem, *x, student, False)
     assert not gluon_backward.applies(problem, *x, (True, True, True, True), False)
@@ -703,6 +720,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
              for _ in range(2)]
     check_against_reference(x, "triton", mask1=masks[0], mask2=masks[1])
     assert len(calls) == 6 and len(bwd_calls) == 3  # block masks: both Gluon kernels, through the lists
+    cu = torch.tensor([0, 256, 384, 768], dtype=torch.int32, device=DEVICE)
+    x = make_inputs((768,), (768,), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", causal=True, cu_seqlens=cu)
+    assert len(calls) == 7 and len(bwd_calls) == 4  # packed sequences of whole tiles, causal: Gluon both ways
     monkeypatch.setenv("STREAMKL_GLUON", "0")
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True)
@@ -714,9 +735,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, (128, 64), True, False),
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
-     (torch.bfloat16, 128, True, "backward-listed")],
+     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
-         "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed"],
+         "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
+         "backward-fp16-D64-varlen"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -732,6 +754,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call})"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
+    elif overlap == "backward-varlen":  # the student backward over packed sequences
+        call = f"g.gluon_backward.compile_for_hopper({call}, False, True)"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
     elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
@@ -834,9 +858,9 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
     forward; problems outside its scope (teacher gradients, deterministic) keep backward.py. Dense
-    bfloat16: run on the H200 (sixth session); block masks, windows and float16 written after that
-    session's last GPU run (checked under the Gluon simulator)."""
-    from streamkl.backends.triton import gluon_backward
+    bfloat16: run on the H200 (sixth session); block masks, windows and float16 first run on it in
+    the seventh; packed sequences of whole tiles written in the seventh (simulator first)."""
+    from streamkl.backends.triton import backward, gluon_backward
 
     gluon_forward = _gluon()
     if torch.cuda.get_device_capability()[0] != 9:
@@ -869,6 +893,18 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
             )
         check_against_reference(x, "triton", **kwargs)
     assert len(calls) == len(cases) + 3
+    # packed sequences of whole tiles (seventh session): empty sequences, rows and keys past
+    # cu_seqlens[-1]; head chunks forced
+    lens = [(128, 256), (0, 0), (64, 128), (0, 128), (192, 384)]
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    for causal, chunks in ((True, None), (False, 2)):
+        monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", chunks)
+        x = make_inputs((int(cu_q[-1]) + 7,), (int(cu_k[-1]) + 9,), 4, (2, 4), (128, 128), torch.bfloat16, DEVICE,
+                        (False, False, True, True))
+        check_against_reference(x, "triton", causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", None)
+    assert len(calls) == len(cases) + 5
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

@@ -1,16 +1,19 @@
-"""EXPERIMENTAL Hopper (sm_90) student backward in Gluon: the key-major pass of backward.py (dk2 in
-registers, dq2 added into a float32 buffer), warp-specialized like gluon_forward.py. Off unless
-asked for (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON = True`). History (H200, N=16K, D=128,
-student backward; `benchmarks/results/tune_h200.md`, rounds 11-12):
+"""Hopper (sm_90) student backward in Gluon: the key-major pass of backward.py (dk2 in registers,
+dq2 added into a float32 buffer), warp-specialized like gluon_forward.py. The Triton backend's
+DEFAULT student backward on sm_90 where it was measured faster than backward.py (`chosen`): head
+dim 128, causal (no window) or with block masks; elsewhere it runs when forced
+(`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON = True`). History (H200, N=16K, D=128, student
+backward; `benchmarks/results/tune_h200.md`, rounds 11-13):
 - as first written (fifth session, each warpgroup adding its own [64, D] dq2 tile): correct on the
   GPU, 23.6 ms non-causal / 9.9 ms causal against backward.py's 14.8 / 7.8;
-- dq2 over all 128 keys of a tile (half the atomics; commit c0f362d): 15.6 / 6.8 ms, faster than
-  backward.py causal at D=128 (0.77x SDPA against 0.88x), slower elsewhere; ptxas spilled 1.0-1.5
-  KB per thread in the non-causal builds: the rows' statistics were loaded in the score layout,
-  16 elements and 16 64-bit pointers a thread for each of lse1, lse2 and g, live across the loop;
-- now (not yet timed on a GPU): those loaded one element a thread and spread by
-  gl.convert_layout, the dq2 tile's base a stepped 64-bit scalar: spills 0-128 B in all four
-  builds (checked with ptxas here), simulator unchanged.
+- dq2 over all 128 keys of a tile (half the atomics; commit c0f362d): 15.6 / 6.8 ms;
+- the rows' statistics loaded one element a thread and spread by gl.convert_layout, the dq2 tile's
+  base a stepped 64-bit scalar (ptxas spills 1.5 KB -> 0.1 KB): 15.7 / 7.0 ms (round 13: no
+  faster; causal 7.0 against backward.py's 7.8 ms, 0.80x SDPA; block masks at 90 % sparsity 1.71
+  against 1.85 ms); dk2's and dq2's products in flight together (one wait) measured slower (17.2 /
+  7.3 ms) and was reverted;
+- the float32 dq2 buffer in head chunks as backward.py's (`backward.atomic_head_chunks`), so the
+  extra memory stays under the gradients' size: 16.1 / 7.1 ms.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -19,16 +22,19 @@ then streams the 64-row query tiles that see them (both sides) through an mbarri
 consumer warpgroups own 64 keys each and, per query tile, take the transposed scores
 s^T = k q^T of both sides (async wgmma), p^T and q^T from the saved row statistics,
 dS2^T = g (q - p)^T, then dk2 += dS2^T q2 and dq2 += dS2 k2 (dS2^T through
-shared memory, which both products read), the dq2 tile added with element atomics (Gluon 3.6 has no TMA reduction).
+shared memory, which both products read), the dq2 tile added with element atomics (Gluon 3.6 has
+no TMA reduction).
 
 Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), 16-bit
-(float16's upstream gradient rescaled by backward.rescaled_upstream),
-D 64 / 128 on both sides, no GQA on side 2, N multiples of 128 (keys) and 64 (queries), not
-deterministic, not varlen; everything else runs backward.py. Block masks (blocks of at least 128)
-and windows (LISTED, sixth session, simulator-checked, NOT yet run on a GPU): the key-major view
-of the 128 x 128 tile schedule, each listed 128-row query tile in two 64-row steps, partial pairs
-masked as backward._tile_dscores does (dS2 kept to side 2's support; rows without keys on a side
-read lse +inf, so p, q = 0 there); N multiples of 128, causal with any Nk.
+(float16's upstream gradient rescaled by backward.rescaled_upstream), D 64 / 128 on both sides, no
+GQA on side 2, N multiples of 128 (keys) and 64 (queries), not deterministic; everything else runs
+backward.py. Packed sequences (VARLEN, seventh session) whose lengths are known on the host and cut
+into whole tiles (`_whole_tiles`: no tile reads another sequence's rows, so no tail masks are
+needed and a NaN there cannot reach this one's gradients). Block masks (blocks of at least 128)
+and windows (LISTED; dense sequences): the key-major view of the 128 x 128 tile schedule, each
+listed 128-row query tile in two 64-row steps, partial pairs masked as backward._tile_dscores does
+(dS2 kept to side 2's support; rows without keys on a side read lse +inf, so p, q = 0 there); N
+multiples of 128, causal with any Nk.
 """
 
 from __future__ import annotations
@@ -81,16 +87,32 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
     return applies(problem, q1, k1, q2, k2, needs, deterministic)
 
 
+def _whole_tiles(problem: Problem) -> bool:
+    """Packed sequences whose lengths are known on the host (the front end's value checks keep CPU
+    copies of cu_seqlens) and cut into whole tiles: queries multiples of 64, keys of 128, and
+    causal, no sequence with fewer keys than queries. No tile then reads another sequence's rows,
+    so a NaN or inf there cannot reach this one's gradients through a 0 x NaN product."""
+    host = problem.extra.get("host_cu")
+    if host is None:
+        return False
+    len_q, len_k = (values[1:] - values[:-1] for values in host)
+    if bool((len_q % BLOCK_M != 0).any()) or bool((len_k % BLOCK_N != 0).any()):
+        return False
+    return not (problem.causal and bool((len_k < len_q).any()))
+
+
 def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
     if GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
         return False
     if tuple(needs) != (False, False, True, True) or problem.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if problem.is_varlen:
+    if problem.is_varlen and not _whole_tiles(problem):
         return False
     if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128) or problem.heads_k2 != problem.heads:
         return False
     if listed(problem):  # block masks / a window: the key schedule's lists of 128-row query tiles
+        if problem.is_varlen:  # (packed sequences with block masks or a window: not written)
+            return False
         if problem.seqlen_k % BLOCK_N or problem.seqlen_q % 128 or problem.seqlen_q == 0:
             return False
         for mask in (problem.mask1, problem.mask2):
@@ -241,6 +263,7 @@ if GLUON_IMPORT_ERROR is None:
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
         LSE1, LSE2, GRAD, DQ2, DK2,
         G_SCALE,  # NORM_G (float16): what GRAD was divided by
+        CU_Q, CU_K,  # VARLEN: cu_seqlens (int32); else unused
         Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,  # LISTED: the key-major schedule (128 x 128 tiles); else unused
         stride_sb, stride_sh, stride_sn,  # lse [B, H, N]
         stride_gb, stride_gn, stride_gh,  # g [B, N, H]
@@ -255,6 +278,7 @@ if GLUON_IMPORT_ERROR is None:
         DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
         LISTED: gl.constexpr,  # block masks or a window: walk the key schedule's query-tile lists
         NORM_G: gl.constexpr,  # float16: GRAD was divided by G_SCALE (backward.py's reason)
+        VARLEN: gl.constexpr,  # packed sequences (lengths multiples of the tiles: `applies`)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -263,6 +287,21 @@ if GLUON_IMPORT_ERROR is None:
         seq = pid_bh // heads
         head = head_lo + pid_bh % heads
         k0 = pid_k * 128
+        if VARLEN:  # packed sequences: rows start_q ..., keys start_k ...; grid sized by the longest
+            start_q = gl.load(CU_Q + seq)
+            seqlen_q = gl.load(CU_Q + seq + 1) - start_q
+            start_k = gl.load(CU_K + seq)
+            seqlen_k = gl.load(CU_K + seq + 1) - start_k
+            row_base = start_q.to(gl.int64)  # the statistics, g and dq2 are packed too
+            key_base = start_k.to(gl.int64)
+        else:
+            start_q = seq * seqlen_q
+            start_k = seq * seqlen_k
+            row_base = 0
+            key_base = 0
+        if VARLEN:
+            if k0 >= seqlen_k:  # past this sequence's keys (the grid is sized by the longest)
+                return
         offset = seqlen_k - seqlen_q
         first_tile = 0
         if CAUSAL:  # query rows i see key k0 once i + offset >= k0
@@ -299,12 +338,12 @@ if GLUON_IMPORT_ERROR is None:
         hopper.fence_async_shared()
 
         seq64 = seq.to(gl.int64)
-        o_stat = seq64 * stride_sb + head * stride_sh
-        o_grad = seq64 * stride_gb + head * stride_gh
-        o_dq = seq64 * stride_dqb + (head - head_lo) * stride_dqh  # the chunk's float32 accumulator
-        o_dk = seq64 * stride_dkb + head * stride_dkh
-        q_row = seq * seqlen_q
-        k_row = seq * seqlen_k + k0
+        o_stat = seq64 * stride_sb + head * stride_sh + row_base * stride_sn
+        o_grad = seq64 * stride_gb + head * stride_gh + row_base * stride_gn
+        o_dq = seq64 * stride_dqb + (head - head_lo) * stride_dqh + row_base * stride_dqn  # the chunk's accumulator
+        o_dk = seq64 * stride_dkb + head * stride_dkh + key_base * stride_dkn
+        q_row = start_q
+        k_row = start_k + k0
         gl.warp_specialize(
             [
                 (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
@@ -335,7 +374,14 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     (default all of them); `dq2` is the float32 accumulator of those heads [B, N, heads, D]. Block
     masks or a window (`listed`): `schedule` (query-major, 128 x 128 tiles) is walked through its
     key-major view."""
-    from streamkl.backends.triton.common import broadcast_strides, group_sizes, log2_scales, window_bounds
+    from streamkl.backends.triton.common import (
+        broadcast_strides,
+        group_sizes,
+        log2_scales,
+        row_strides,
+        stat_strides,
+        window_bounds,
+    )
     from streamkl.backends.triton.gluon_forward import listed
     from streamkl.sparse.schedule import get_key_schedule
 
@@ -343,6 +389,8 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     scale1, scale2 = log2_scales(problem)
     k_programs = problem.seqlen_k // BLOCK_N
     heads = problem.heads if heads is None else heads
+    varlen = problem.is_varlen
+    cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (lse1, lse1)
     is_listed = listed(problem)
     if is_listed:
         assert schedule is not None and (schedule.block_q, schedule.block_k) == (128, BLOCK_N)
@@ -354,16 +402,16 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         lists, list_strides, window = (lse1,) * 4, (0,) * 6, (-1, -1)
     args = (
         *(flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))),
-        lse1, lse2, grad_rows, dq2, dk2, lse1 if g_scale is None else g_scale, *lists,
-        *lse1.stride(), *grad_rows.stride(),
-        dq2.stride(0), dq2.stride(1), dq2.stride(2), dk2.stride(0), dk2.stride(1), dk2.stride(2),
+        lse1, lse2, grad_rows, dq2, dk2, lse1 if g_scale is None else g_scale, cu_q, cu_k, *lists,
+        *stat_strides(lse1, varlen), *row_strides(grad_rows, varlen), *row_strides(dq2, varlen),
+        *row_strides(dk2, varlen),
         *list_strides, *window,
         problem.seqlen_q, problem.seqlen_k, heads, head_lo, group1,
         scale1, scale2, scale2 * LN2, k_programs,
     )  # fmt: skip
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
-                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None)
+                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen)
     return (k_programs * problem.batch * heads,), args, constexprs
 
 
@@ -375,11 +423,12 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     the extra memory stays under the size of the gradients returned."""
     from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
 
-    dk2 = torch.empty_like(k2)
+    # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
+    dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
     chunks = atomic_head_chunks(problem, problem.seqlen_k // BLOCK_N, 1)
     per_chunk = problem.heads // chunks
-    accum = torch.zeros((*q2.shape[:2], per_chunk, q2.shape[3]), dtype=torch.float32, device=q2.device)
+    accum = torch.zeros((*q2.shape[:-2], per_chunk, q2.shape[-1]), dtype=torch.float32, device=q2.device)
     dq2 = torch.empty_like(q2) if chunks > 1 else None
     for chunk in range(chunks):
         lo = chunk * per_chunk
@@ -389,11 +438,12 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
                                              lo, per_chunk)
         _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
         if chunks > 1:
-            dq2[:, :, lo:lo + per_chunk].copy_(accum)
+            dq2[..., lo:lo + per_chunk, :].copy_(accum)
     return None, None, dq2 if chunks > 1 else accum.to(q2.dtype), dk2
 
 
-def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False):
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
+                       varlen: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -404,12 +454,12 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     list_names = ("stride_cs", "stride_ch", "stride_ct", "stride_is", "stride_ih", "stride_it", "window_left",
                   "window_right")
     examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
-    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, G_SCALE=stats)
+    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, G_SCALE=stats, CU_Q=cu, CU_K=cu)
     examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)

@@ -2,10 +2,12 @@
 warp-specialized. The Triton backend's DEFAULT forward on sm_90 where it applies and where it was
 measured faster than forward.py (head dim 128 on both sides: 0.77x the SDPA forward non-causal,
 0.73x causal at N=16K on the H200, against the Triton kernel's 0.89x; sixth session,
-benchmarks/results/tune_h200_round11.jsonl). At head dim 64 it measured slower than forward.py
-(1.10x against 0.99x) and runs only when forced. `STREAMKL_GLUON=0` (or `USE_GLUON = False`) turns
-it off, `STREAMKL_GLUON=1` (or `USE_GLUON = True`) uses it, and the experimental Gluon student
-backward (gluon_backward.py), wherever they apply.
+benchmarks/results/tune_h200_round11.jsonl), and with block masks (seventh session: 0.56 against
+0.71 ms at 90 % block sparsity, 4.7 against 7.0 ms at 0 %). At head dim 64 it measured slower than
+forward.py (1.10x against 0.99x) and runs only when forced, as with a window alone (not measured)
+and different head dims. `STREAMKL_GLUON=0` (or `USE_GLUON = False`) turns it and the Gluon
+student backward (gluon_backward.py, default in its own measured scope) off, `STREAMKL_GLUON=1`
+(or `USE_GLUON = True`) uses both wherever they apply.
 
 First written and compiled on a CPU-only machine (fifth session) and run under triton-viz's Gluon
 simulator there (`benchmarks/gluon_simulate.py`: both variants agree with float64 to 2e-7); first
@@ -29,8 +31,8 @@ Gluon has no CPU interpreter, and it cannot compile in a process running TRITON_
 standard functions it calls, gl.max and others, are interpreted ones there): CI compiles it for
 sm_90a in a subprocess (`compile_for_hopper`), the GPU tests run it.
 
-Block masks and windows (`listed`; forced only, written in the sixth session after its last GPU
-run, checked under the simulator): the kernel walks the schedule's key-tile lists (128 x 128
+Block masks and windows (`listed`; written in the sixth session under the simulator, first run on
+the H200 in the seventh; by default with block masks): the kernel walks the schedule's key-tile lists (128 x 128
 tiles; mask blocks of at least 128), the producer loading the listed tiles, the consumers masking
 the partial ones as their flags say (forward._fwd_step's rules: uncovered rows read +inf, rows
 without a side-1 key are empty); plain variant, dense (not packed) sequences only.
@@ -72,8 +74,8 @@ else:
     if not triton.__version__.startswith("3.6."):  # pragma: no cover - the API this was written against
         GLUON_IMPORT_ERROR = f"written against Gluon of triton 3.6, found triton {triton.__version__}"
 
-#: None: the default choice (`chosen()`); True: the Gluon kernels wherever they apply (forward at
-#: any supported head dim, the experimental student backward); False: never. The environment
+#: None: the default choice (`chosen()`, gluon_backward.chosen); True: the Gluon kernels wherever
+#: they apply (forward at any supported head dim, the student backward); False: never. The environment
 #: variable `STREAMKL_GLUON` (1 / 0) sets it when this is None.
 USE_GLUON: bool | None = None
 
@@ -90,7 +92,7 @@ def setting() -> bool | None:
 
 
 def enabled() -> bool:
-    """Whether the Gluon kernels are forced on (the experimental backward runs only then)."""
+    """Whether the Gluon kernels are forced on (everywhere they apply)."""
     return setting() is True
 
 
