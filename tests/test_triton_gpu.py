@@ -650,8 +650,13 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
 
     assert backward_default_and_forced(*packed([(128, 256), (0, 0), (64, 128)])) == (True, True)
     assert backward_default_and_forced(*packed([(128, 256), (64, 128)], causal=False)) == (False, True)
-    assert backward_default_and_forced(*packed([(128, 256), (100, 128)])) == (False, False)  # a partial tile
-    assert backward_default_and_forced(*packed([(128, 200)])) == (False, False)
+    # partial tiles (TAIL, last tiles shifted back): forced only, not yet run on a GPU
+    assert backward_default_and_forced(*packed([(128, 256), (100, 128)])) == (False, True)
+    assert backward_default_and_forced(*packed([(128, 200)])) == (False, True)
+    assert backward_default_and_forced(*packed([(30, 128)])) == (False, False)  # a tile would read the next rows
+    assert backward_default_and_forced(*packed([(64, 100)], causal=False)) == (False, False)  # ... keys
+    assert backward_default_and_forced(*case(causal=True, n=(200, 300))) == (False, True)
+    assert backward_default_and_forced(*case(n=(256, 100))) == (False, False)
     assert backward_default_and_forced(*packed([(256, 128)])) == (False, False)  # causal, fewer keys: empty rows
     assert backward_default_and_forced(*packed([(128, 256)], causal=False, window=(64, 64))) == (False, False)
     problem, xp = packed([(128, 256)])
@@ -735,10 +740,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, (128, 64), True, False),
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
-     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen")],
+     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
-         "backward-fp16-D64-varlen"],
+         "backward-fp16-D64-varlen-tail"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -754,8 +759,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call})"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
-    elif overlap == "backward-varlen":  # the student backward over packed sequences
-        call = f"g.gluon_backward.compile_for_hopper({call}, False, True)"
+    elif overlap == "backward-varlen-tail":  # the student backward over packed sequences, partial tiles
+        call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True)"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
     elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
@@ -905,6 +910,18 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
         check_against_reference(x, "triton", causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
     monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", None)
     assert len(calls) == len(cases) + 5
+    # lengths that are not whole tiles (TAIL: each sequence's last tiles shifted back; seventh
+    # session, after its last GPU run: NOT yet run on a GPU, checked under the simulator)
+    for (n_q, n_k), causal in (((200, 300), True), ((100, 130), False)):
+        x = make_inputs((2, n_q), (2, n_k), 4, (2, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+        check_against_reference(x, "triton", causal=causal)
+    lens = [(100, 200), (0, 0), (64, 130), (200, 300)]
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    x = make_inputs((int(cu_q[-1]) + 5,), (int(cu_k[-1]) + 3,), 4, (2, 4), (64, 64), torch.float16, DEVICE,
+                    (False, False, True, True))
+    check_against_reference(x, "triton", causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    assert len(calls) == len(cases) + 8
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

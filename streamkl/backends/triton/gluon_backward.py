@@ -27,10 +27,13 @@ no TMA reduction).
 
 Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), 16-bit
 (float16's upstream gradient rescaled by backward.rescaled_upstream), D 64 / 128 on both sides, no
-GQA on side 2, N multiples of 128 (keys) and 64 (queries), not deterministic; everything else runs
-backward.py. Packed sequences (VARLEN, seventh session) whose lengths are known on the host and cut
-into whole tiles (`_whole_tiles`: no tile reads another sequence's rows, so no tail masks are
-needed and a NaN there cannot reach this one's gradients). Block masks (blocks of at least 128)
+GQA on side 2, not deterministic; everything else runs backward.py. Dense or packed sequences
+(VARLEN, seventh session; lengths known on the host) of at least 64 queries and 128 keys each
+(`tile_fit`): no tile reads another sequence's rows, so a NaN there cannot reach this one's
+gradients through a 0 x NaN product. Lengths that are whole tiles (64 / 128) ran on the H200;
+others (TAIL: each sequence's last partial key tile and query step shifted back to end at its last
+key / row, the keys and rows an earlier tile owns masked, dk2 stored for its own keys only) only
+when forced (`TAILS_BY_DEFAULT`), simulator-checked, not yet run on a GPU. Block masks (blocks of at least 128)
 and windows (LISTED; dense sequences): the key-major view of the 128 x 128 tile schedule, each
 listed 128-row query tile in two 64-row steps, partial pairs masked as backward._tile_dscores does
 (dS2 kept to side 2's support; rows without keys on a side read lse +inf, so p, q = 0 there); N
@@ -84,29 +87,48 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
         dense_causal = problem.causal and problem.window == (-1, -1) and not masked
         if problem.dim2 != 128 or not (masked or dense_causal):
             return False
+        if not listed(problem) and not TAILS_BY_DEFAULT and tile_fit(problem) != "whole":
+            return False
     return applies(problem, q1, k1, q2, k2, needs, deterministic)
 
 
-def _whole_tiles(problem: Problem) -> bool:
-    """Packed sequences whose lengths are known on the host (the front end's value checks keep CPU
-    copies of cu_seqlens) and cut into whole tiles: queries multiples of 64, keys of 128, and
-    causal, no sequence with fewer keys than queries. No tile then reads another sequence's rows,
-    so a NaN or inf there cannot reach this one's gradients through a 0 x NaN product."""
-    host = problem.extra.get("host_cu")
-    if host is None:
-        return False
-    len_q, len_k = (values[1:] - values[:-1] for values in host)
-    if bool((len_q % BLOCK_M != 0).any()) or bool((len_k % BLOCK_N != 0).any()):
-        return False
-    return not (problem.causal and bool((len_k < len_q).any()))
+#: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
+#: end at the sequence's end) only when forced: written in the seventh session after its last GPU
+#: run, checked under the simulator; whole tiles (dense or packed) ran on the H200.
+TAILS_BY_DEFAULT = False
+
+
+def tile_fit(problem: Problem) -> str | None:
+    """How the sequences cut into the kernel's tiles (64 query rows, 128 keys), for the dense (not
+    listed) path: "whole", "tail" (some length not a multiple: the last tile or step of a sequence
+    is shifted back to end at its last row or key, the rows / keys an earlier one owns masked), or
+    None when the kernel cannot serve them: a sequence with 1-63 queries or 1-127 keys (a tile
+    would read another sequence's rows, whose NaN or inf could then reach this one's gradients
+    through a 0 x NaN product), causal with fewer keys than queries (rows without keys), packed
+    lengths not known on the host (the front end's value checks keep CPU copies of cu_seqlens; a
+    graph capture or torch.compile may not)."""
+    if problem.is_varlen:
+        host = problem.extra.get("host_cu")
+        if host is None:
+            return None
+        len_q, len_k = (values[1:] - values[:-1] for values in host)
+    else:
+        len_q = torch.tensor([problem.seqlen_q])
+        len_k = torch.tensor([problem.seqlen_k])
+        if problem.seqlen_q == 0:
+            return None
+    if bool(((len_q > 0) & (len_q < BLOCK_M)).any()) or bool(((len_k > 0) & (len_k < BLOCK_N)).any()):
+        return None
+    if problem.causal and bool((len_k < len_q).any()):
+        return None
+    whole = not bool((len_q % BLOCK_M != 0).any()) and not bool((len_k % BLOCK_N != 0).any())
+    return "whole" if whole else "tail"
 
 
 def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
     if GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
         return False
     if tuple(needs) != (False, False, True, True) or problem.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if problem.is_varlen and not _whole_tiles(problem):
         return False
     if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128) or problem.heads_k2 != problem.heads:
         return False
@@ -118,11 +140,8 @@ def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> boo
         for mask in (problem.mask1, problem.mask2):
             if mask is not None and (mask.block_q < 128 or mask.block_k < BLOCK_N):
                 return False
-    else:
-        if problem.seqlen_k % BLOCK_N or problem.seqlen_q % BLOCK_M or problem.seqlen_q == 0:
-            return False
-        if problem.causal and problem.seqlen_k < problem.seqlen_q:
-            return False
+    elif tile_fit(problem) is None:
+        return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q1, k1, q2, k2)):
         return False
     from streamkl.backends.triton.common import capability, device_index
@@ -137,9 +156,9 @@ if GLUON_IMPORT_ERROR is None:
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                      n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
+                      n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, LISTED: gl.constexpr):
+                      CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -181,6 +200,9 @@ if GLUON_IMPORT_ERROR is None:
                 tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
             else:
                 tile_row0 = (first_tile + i) * BLOCK_M
+                if TAIL:  # a last partial step shifted back to end at the sequence's last row
+                    fresh_row0 = tile_row0  # rows before it belong to the step before
+                    tile_row0 = gl.minimum(tile_row0, len_q - BLOCK_M)
             o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
             # the rows' statistics loaded one element a thread, then spread to the score layout
             # through shared memory (loaded in that layout, 16 elements a thread, they kept 3 x 16
@@ -210,7 +232,13 @@ if GLUON_IMPORT_ERROR is None:
             else:
                 p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
                 q = gl.exp2(st2 * scale2 - lse2[None, :])
-                if CAUSAL:
+                if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
+                    allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
+                    if CAUSAL:
+                        allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
+                    p = gl.where(allowed, p, 0.0)
+                    q = gl.where(allowed, q, 0.0)
+                elif CAUSAL:
                     allowed = o_j[:, None] <= (o_i + offset)[None, :]
                     p = gl.where(allowed, p, 0.0)
                     q = gl.where(allowed, q, 0.0)
@@ -227,7 +255,7 @@ if GLUON_IMPORT_ERROR is None:
             dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
-            if LISTED:  # listed tiles are not consecutive: the base from this step's first row
+            if LISTED or TAIL:  # steps not evenly spaced: the base from this step's first row
                 p_tile = DQ2 + o_dq + (o_dq * 0 + tile_row0) * stride_dqn
             if D > 64:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
@@ -238,25 +266,30 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
                 gl.atomic_add(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, sem="relaxed")
-            if not LISTED:
+            if not LISTED and not TAIL:
                 p_tile += dq_step
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
-        gl.store(DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :], (dk * out_scale2).to(DK2.dtype.element_ty))
+        p_dk = DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
+        if TAIL:  # keys before k_fresh are the previous tile's (this one shifted back)
+            own = (keys >= k_fresh)[:, None] & (o_d < D)[None, :]
+            gl.store(p_dk, (dk * out_scale2).to(DK2.dtype.element_ty), mask=own)
+        else:
+            gl.store(p_dk, (dk * out_scale2).to(DK2.dtype.element_ty))
 
     @gluon.jit
     def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                         LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                        n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
+                        n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                      n_full_listed, index, flags_list, len_q, len_k, window_left, window_right,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED)
+                      n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -278,7 +311,8 @@ if GLUON_IMPORT_ERROR is None:
         DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
         LISTED: gl.constexpr,  # block masks or a window: walk the key schedule's query-tile lists
         NORM_G: gl.constexpr,  # float16: GRAD was divided by G_SCALE (backward.py's reason)
-        VARLEN: gl.constexpr,  # packed sequences (lengths multiples of the tiles: `applies`)
+        VARLEN: gl.constexpr,  # packed sequences (lengths known on the host: `tile_fit`)
+        TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -286,7 +320,7 @@ if GLUON_IMPORT_ERROR is None:
             out_scale2 = out_scale2 * gl.load(G_SCALE)
         seq = pid_bh // heads
         head = head_lo + pid_bh % heads
-        k0 = pid_k * 128
+        k_fresh = pid_k * 128  # this program's keys from here (earlier ones: the tile before)
         if VARLEN:  # packed sequences: rows start_q ..., keys start_k ...; grid sized by the longest
             start_q = gl.load(CU_Q + seq)
             seqlen_q = gl.load(CU_Q + seq + 1) - start_q
@@ -300,12 +334,15 @@ if GLUON_IMPORT_ERROR is None:
             row_base = 0
             key_base = 0
         if VARLEN:
-            if k0 >= seqlen_k:  # past this sequence's keys (the grid is sized by the longest)
+            if k_fresh >= seqlen_k:  # past this sequence's keys (the grid is sized by the longest)
                 return
+        k0 = k_fresh
+        if TAIL:  # a last partial key tile shifted back to end at the sequence's last key
+            k0 = gl.minimum(k_fresh, seqlen_k - 128)
         offset = seqlen_k - seqlen_q
         first_tile = 0
-        if CAUSAL:  # query rows i see key k0 once i + offset >= k0
-            first_tile = gl.maximum(k0 - offset, 0) // BLOCK_M
+        if CAUSAL:  # query rows i see key k_fresh once i + offset >= k_fresh
+            first_tile = gl.maximum(k_fresh - offset, 0) // BLOCK_M
         if LISTED:  # the query tiles (128 rows, two steps each) visiting this key tile, full ones first
             o_count = seq * stride_cs + head * stride_ch + pid_k * stride_ct
             n_tiles = 2 * gl.load(Q_COUNT + o_count)
@@ -315,7 +352,10 @@ if GLUON_IMPORT_ERROR is None:
             flags_list = Q_FLAGS + o_list
             first_tile = 0
         else:
-            n_tiles = seqlen_q // BLOCK_M - first_tile
+            if TAIL:
+                n_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M - first_tile
+            else:
+                n_tiles = seqlen_q // BLOCK_M - first_tile
             n_full_listed = n_tiles
             index = Q_INDEX
             flags_list = Q_FLAGS
@@ -351,17 +391,17 @@ if GLUON_IMPORT_ERROR is None:
                                  stride_sn, stride_gn, stride_dqn, stride_dkn,
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED)),
+                                 k_fresh, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED)),
+                                   k_fresh, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
-                                     STAGES, LISTED, 2)),
+                                     STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL)),
             ],
             [4, 1],
             [232, 40],
@@ -387,7 +427,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
 
     group1, _ = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
-    k_programs = problem.seqlen_k // BLOCK_N
+    k_programs = -(-problem.seqlen_k // BLOCK_N)
     heads = problem.heads if heads is None else heads
     varlen = problem.is_varlen
     cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (lse1, lse1)
@@ -411,7 +451,8 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     )  # fmt: skip
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
-                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen)
+                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
+                      TAIL=not is_listed and tile_fit(problem) == "tail")
     return (k_programs * problem.batch * heads,), args, constexprs
 
 
@@ -426,7 +467,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
-    chunks = atomic_head_chunks(problem, problem.seqlen_k // BLOCK_N, 1)
+    chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), 1)
     per_chunk = problem.heads // chunks
     accum = torch.zeros((*q2.shape[:-2], per_chunk, q2.shape[-1]), dtype=torch.float32, device=q2.device)
     dq2 = torch.empty_like(q2) if chunks > 1 else None
@@ -443,7 +484,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
-                       varlen: bool = False):
+                       varlen: bool = False, tail: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -461,5 +502,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
