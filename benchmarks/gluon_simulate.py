@@ -221,12 +221,13 @@ def simulate(triton_viz, client, batch, n_q, n_k, heads, heads_k, dim, causal, o
 
 
 def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim, causal, dtype=torch.float16,
-                      masks=None, window=(-1, -1), chunks=1):
+                      masks=None, window=(-1, -1), chunks=1, heads_k2=None):
     """The Gluon student backward (dq2, dk2) against the float64 reference's gradients, with the
     saved statistics of the float64 forward and a random upstream gradient per row (0 on rows whose
     KL is infinite, as the GPU tests do). masks: block densities of random 128-block masks.
     chunks: launches over that many head chunks, each into its own float32 dq2 accumulator, as
-    gluon_backward.kl_backward does on a large grid."""
+    gluon_backward.kl_backward does on a large grid. heads_k2: side-2 key heads (GQA; default
+    heads)."""
     from streamkl.backends.triton import gluon_backward
     from streamkl.reference import reference_kl
 
@@ -242,7 +243,7 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
         shape_q, shape_k = (batch, n_q), (batch, n_k)
     q1, q2 = (torch.randn(*shape_q, heads, dim, generator=g).to(dtype) for _ in range(2))
     k1 = torch.randn(*shape_k, heads_k1, dim, generator=g).to(dtype)
-    k2 = torch.randn(*shape_k, heads, dim, generator=g).to(dtype)
+    k2 = torch.randn(*shape_k, heads_k2 or heads, dim, generator=g).to(dtype)
     problem, schedule = _listed_problem((q1, k1, q2, k2), causal, kwargs, masks, window, heads, n_q, n_k, g)
     leaves = [t.double().requires_grad_(i >= 2) for i, t in enumerate((q1, k1, q2, k2))]
     ref, lse1, lse2 = reference_kl(*leaves, causal=causal, **kwargs)
@@ -274,6 +275,7 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     errors = err(dq2, ref_dq2), err(dk2, ref_dk2)
     extra = (f" masks {masks}" if masks is not None else "") + (f" window {window}" if window != (-1, -1) else "")
     extra += f" in {chunks} head chunks" if chunks > 1 else ""
+    extra += f" Hk2 {heads_k2}" if heads_k2 else ""
     what = f"varlen {batch}" if isinstance(batch, list) else f"B{batch} Nq{n_q} Nk{n_k}"
     print(f"backward {what} H{heads} Hk1 {heads_k1} D{dim} causal={causal}{extra}: relative L2 error "
           f"dq2 {errors[0]:.1e}, dk2 {errors[1]:.1e} ({time.time() - start:.1f} s)", flush=True)
@@ -339,9 +341,13 @@ def main():
         (1, 130, 257, 2, 1, 128, True, torch.float16, None, (-1, -1), 2),
         ([(100, 200), (0, 0), (64, 130), (200, 300)], 0, 0, 2, 1, 64, True),
         ([(70, 129), (0, 128), (64, 0), (150, 255)], 0, 0, 2, 2, 64, False),
+        # side-2 GQA (side 1's groups a multiple of side 2's; seventh session)
+        (1, 128, 256, 4, 2, 64, True, torch.float16, None, (-1, -1), 1, 2),
+        (2, 200, 300, 4, 1, 64, False, torch.float16, None, (-1, -1), 2, 2),
+        ([(128, 256), (100, 130)], 0, 0, 4, 2, 128, True, torch.float16, None, (-1, -1), 1, 2),
     ]
     if "--new" in sys.argv:
-        backward_cases = backward_cases[12:]
+        backward_cases = backward_cases[17:]
     worst = max(simulate_backward(triton_viz, client, *case) for case in backward_cases)
     print(f"worst relative error {worst:.1e}")
     sys.exit(0 if worst < 2e-2 else 1)

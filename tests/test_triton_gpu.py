@@ -668,7 +668,13 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert not gluon_backward.applies(problem, *x, student, True)  # deterministic
     x2 = make_inputs((2, 256), (2, 256), 4, (4, 2), (128, 128), torch.bfloat16, "cpu")
     problem = dataclasses.replace(build_problem(*x2), device=torch.device("cuda", 0))
-    assert not gluon_backward.applies(problem, *x2, student, False)
+    assert not gluon_backward.applies(problem, *x2, student, False)  # side-2 groups of 2, side 1's of 1
+    x2 = make_inputs((2, 256), (2, 256), 4, (2, 2), (128, 128), torch.bfloat16, "cpu")
+    problem = dataclasses.replace(build_problem(*x2, causal=True), device=torch.device("cuda", 0))
+    assert backward_default_and_forced(problem, x2) == (False, True)  # side-2 GQA: forced only
+    mask = BlockMask.from_dense(torch.ones(1, 1, 2, 2, dtype=torch.bool), 128)
+    problem = dataclasses.replace(build_problem(*x2, mask2=mask), device=torch.device("cuda", 0))
+    assert backward_default_and_forced(problem, x2) == (False, False)  # ... without block masks
     problem, x = case(mask1=mask, mask2=mask, causal=True)
     assert gluon_backward.applies(problem, *x, student, False)
 
@@ -740,10 +746,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, (128, 64), True, False),
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
-     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail")],
+     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
-         "backward-fp16-D64-varlen-tail"],
+         "backward-fp16-D64-varlen-tail-gqa"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -759,8 +765,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call})"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
-    elif overlap == "backward-varlen-tail":  # the student backward over packed sequences, partial tiles
-        call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True)"
+    elif overlap == "backward-varlen-tail-gqa":  # the student backward: packed, partial tiles, side-2 GQA
+        call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True, True)"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
     elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
@@ -922,6 +928,11 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
                     (False, False, True, True))
     check_against_reference(x, "triton", causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
     assert len(calls) == len(cases) + 8
+    # side-2 GQA, side 1 grouped alike or coarser (seventh session, NOT yet run on a GPU)
+    for heads_k, (n_q, n_k), causal in (((2, 2), (256, 384), True), ((1, 2), (200, 300), False)):
+        x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+        check_against_reference(x, "triton", causal=causal)
+    assert len(calls) == len(cases) + 10
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

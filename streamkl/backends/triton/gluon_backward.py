@@ -27,13 +27,18 @@ no TMA reduction).
 
 Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), 16-bit
 (float16's upstream gradient rescaled by backward.rescaled_upstream), D 64 / 128 on both sides, no
-GQA on side 2, not deterministic; everything else runs backward.py. Dense or packed sequences
+not deterministic; everything else runs backward.py. Dense or packed sequences
 (VARLEN, seventh session; lengths known on the host) of at least 64 queries and 128 keys each
 (`tile_fit`): no tile reads another sequence's rows, so a NaN there cannot reach this one's
 gradients through a 0 x NaN product. Lengths that are whole tiles (64 / 128) ran on the H200;
 others (TAIL: each sequence's last partial key tile and query step shifted back to end at its last
 key / row, the keys and rows an earlier tile owns masked, dk2 stored for its own keys only) only
-when forced (`TAILS_BY_DEFAULT`), simulator-checked, not yet run on a GPU. Block masks (blocks of at least 128)
+when forced (`TAILS_BY_DEFAULT`), simulator-checked, not yet run on a GPU. GQA on side 2
+(GQA2, seventh session, forced only, simulator-checked, not yet run on a GPU) where side 1's
+groups are multiples of side 2's (so one side-1 key tile serves the whole group; the same
+grouping on both sides is the usual case), not with block masks or windows: a program per
+(key tile, side-2 key head) takes its group's query heads in turn, dk2 accumulated over all of
+them. Block masks (blocks of at least 128)
 and windows (LISTED; dense sequences): the key-major view of the 128 x 128 tile schedule, each
 listed 128-row query tile in two 64-row steps, partial pairs masked as backward._tile_dscores does
 (dS2 kept to side 2's support; rows without keys on a side read lse +inf, so p, q = 0 there); N
@@ -89,6 +94,8 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
             return False
         if not listed(problem) and not TAILS_BY_DEFAULT and tile_fit(problem) != "whole":
             return False
+        if problem.heads_k2 != problem.heads:  # side-2 GQA: forced only (not yet run on a GPU)
+            return False
     return applies(problem, q1, k1, q2, k2, needs, deterministic)
 
 
@@ -130,7 +137,10 @@ def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> boo
         return False
     if tuple(needs) != (False, False, True, True) or problem.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128) or problem.heads_k2 != problem.heads:
+    if problem.dim1 != problem.dim2 or problem.dim1 not in (64, 128):
+        return False
+    group1, group2 = problem.heads // problem.heads_k1, problem.heads // problem.heads_k2
+    if group2 > 1 and (group1 % group2 or listed(problem)):  # side 1's key head: the group's
         return False
     if listed(problem):  # block masks / a window: the key schedule's lists of 128-row query tiles
         if problem.is_varlen:  # (packed sequences with block masks or a window: not written)
@@ -157,8 +167,9 @@ if GLUON_IMPORT_ERROR is None:
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
+                      n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr):
+                      CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -199,7 +210,11 @@ if GLUON_IMPORT_ERROR is None:
             if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
                 tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
             else:
-                tile_row0 = (first_tile + i) * BLOCK_M
+                t = i
+                if GQA2:  # step i: tile t of the group's query head h_in (n_per tiles a head)
+                    h_in = i // n_per
+                    t = i - h_in * n_per
+                tile_row0 = (first_tile + t) * BLOCK_M
                 if TAIL:  # a last partial step shifted back to end at the sequence's last row
                     fresh_row0 = tile_row0  # rows before it belong to the step before
                     tile_row0 = gl.minimum(tile_row0, len_q - BLOCK_M)
@@ -208,9 +223,14 @@ if GLUON_IMPORT_ERROR is None:
             # through shared memory (loaded in that layout, 16 elements a thread, they kept 3 x 16
             # 64-bit pointers live across the loop: ptxas spilled them)
             o_iv = (tile_row0 + gl.arange(0, BLOCK_M, layout=vec_layout)).to(gl.int64)
-            lse1 = gl.convert_layout(gl.load(LSE1 + o_stat + o_iv * stride_sn), row_layout) * 1.4426950408889634
-            lse2 = gl.convert_layout(gl.load(LSE2 + o_stat + o_iv * stride_sn), row_layout) * 1.4426950408889634
-            g = gl.convert_layout(gl.load(GRAD + o_grad + o_iv * stride_gn), row_layout)
+            o_stat_i = o_stat
+            o_grad_i = o_grad
+            if GQA2:
+                o_stat_i = o_stat + h_in * stride_sh
+                o_grad_i = o_grad + h_in * stride_gh
+            lse1 = gl.convert_layout(gl.load(LSE1 + o_stat_i + o_iv * stride_sn), row_layout) * 1.4426950408889634
+            lse2 = gl.convert_layout(gl.load(LSE2 + o_stat_i + o_iv * stride_sn), row_layout) * 1.4426950408889634
+            g = gl.convert_layout(gl.load(GRAD + o_grad_i + o_iv * stride_gn), row_layout)
             g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
             if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
                 lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
@@ -255,8 +275,11 @@ if GLUON_IMPORT_ERROR is None:
             dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
-            if LISTED or TAIL:  # steps not evenly spaced: the base from this step's first row
-                p_tile = DQ2 + o_dq + (o_dq * 0 + tile_row0) * stride_dqn
+            if LISTED or TAIL or GQA2:  # steps not evenly spaced: the base from this step's first row
+                o_step = o_dq
+                if GQA2:
+                    o_step = o_dq + h_in * stride_dqh
+                p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn
             if D > 64:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
@@ -266,7 +289,7 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
                 gl.atomic_add(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, sem="relaxed")
-            if not LISTED and not TAIL:
+            if not LISTED and not TAIL and not GQA2:
                 p_tile += dq_step
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         p_dk = DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
@@ -282,14 +305,16 @@ if GLUON_IMPORT_ERROR is None:
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
+                        n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL)
+                      n_per, stride_sh, stride_gh, stride_dqh,
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -305,7 +330,8 @@ if GLUON_IMPORT_ERROR is None:
         stride_cs, stride_ch, stride_ct,  # the key schedule's counts [S', H', nK] (broadcast strides)
         stride_is, stride_ih, stride_it,  # its lists [S', H', nK, nQ], the last dim contiguous
         window_left, window_right,  # LISTED: causality folded into window_right; -1 unbounded
-        seqlen_q, seqlen_k, heads, head_lo, group1,  # heads: this launch's chunk of them, from head_lo
+        seqlen_q, seqlen_k, heads, head_lo, group1, group2,  # heads: programs a sequence (key heads of side 2
+        # in this launch's chunk of query heads, from head_lo)
         scale1, scale2, out_scale2, k_programs,
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
@@ -313,13 +339,19 @@ if GLUON_IMPORT_ERROR is None:
         NORM_G: gl.constexpr,  # float16: GRAD was divided by G_SCALE (backward.py's reason)
         VARLEN: gl.constexpr,  # packed sequences (lengths known on the host: `tile_fit`)
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
+        GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
         if NORM_G:  # the products are linear in g: the factor comes back with the softmax scale
             out_scale2 = out_scale2 * gl.load(G_SCALE)
         seq = pid_bh // heads
-        head = head_lo + pid_bh % heads
+        if GQA2:  # the group's first query head (side 1's key head is the group's: group1 % group2 == 0)
+            head = head_lo + (pid_bh % heads) * group2
+            head2 = head // group2
+        else:
+            head = head_lo + pid_bh % heads
+            head2 = head
         k_fresh = pid_k * 128  # this program's keys from here (earlier ones: the tile before)
         if VARLEN:  # packed sequences: rows start_q ..., keys start_k ...; grid sized by the longest
             start_q = gl.load(CU_Q + seq)
@@ -359,6 +391,9 @@ if GLUON_IMPORT_ERROR is None:
             n_full_listed = n_tiles
             index = Q_INDEX
             flags_list = Q_FLAGS
+        n_per = n_tiles  # (GQA2: steps a query head; the loops run over the group's heads in turn)
+        if GQA2:
+            n_tiles = n_tiles * group2
 
         q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
@@ -381,7 +416,7 @@ if GLUON_IMPORT_ERROR is None:
         o_stat = seq64 * stride_sb + head * stride_sh + row_base * stride_sn
         o_grad = seq64 * stride_gb + head * stride_gh + row_base * stride_gn
         o_dq = seq64 * stride_dqb + (head - head_lo) * stride_dqh + row_base * stride_dqn  # the chunk's accumulator
-        o_dk = seq64 * stride_dkb + head * stride_dkh + key_base * stride_dkn
+        o_dk = seq64 * stride_dkb + head2 * stride_dkh + key_base * stride_dkn
         q_row = start_q
         k_row = start_k + k0
         gl.warp_specialize(
@@ -391,17 +426,20 @@ if GLUON_IMPORT_ERROR is None:
                                  stride_sn, stride_gn, stride_dqn, stride_dkn,
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                 k_fresh, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL)),
+                                 k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                   k_fresh, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL)),
+                                   k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
-                                     head * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                                     head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
-                                     STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL)),
+                                     STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
+                                     n_per, D, GQA2)),
             ],
             [4, 1],
             [232, 40],
@@ -425,7 +463,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     from streamkl.backends.triton.gluon_forward import listed
     from streamkl.sparse.schedule import get_key_schedule
 
-    group1, _ = group_sizes(problem)
+    group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
     k_programs = -(-problem.seqlen_k // BLOCK_N)
     heads = problem.heads if heads is None else heads
@@ -446,14 +484,14 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         *stat_strides(lse1, varlen), *row_strides(grad_rows, varlen), *row_strides(dq2, varlen),
         *row_strides(dk2, varlen),
         *list_strides, *window,
-        problem.seqlen_q, problem.seqlen_k, heads, head_lo, group1,
+        problem.seqlen_q, problem.seqlen_k, heads // group2, head_lo, group1, group2,
         scale1, scale2, scale2 * LN2, k_programs,
     )  # fmt: skip
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
-                      TAIL=not is_listed and tile_fit(problem) == "tail")
-    return (k_programs * problem.batch * heads,), args, constexprs
+                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1)
+    return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
@@ -463,11 +501,12 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     (`backward.atomic_head_chunks`: two where each launch still fills the GPU three times over), so
     the extra memory stays under the size of the gradients returned."""
     from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
+    from streamkl.backends.triton.common import group_sizes
 
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
-    chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), 1)
+    chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
     accum = torch.zeros((*q2.shape[:-2], per_chunk, q2.shape[-1]), dtype=torch.float32, device=q2.device)
     dq2 = torch.empty_like(q2) if chunks > 1 else None
@@ -484,7 +523,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
-                       varlen: bool = False, tail: bool = False):
+                       varlen: bool = False, tail: bool = False, gqa2: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -498,9 +537,9 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, G_SCALE=stats, CU_Q=cu, CU_K=cu)
     examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
-    examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1"), 1024))
+    examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)

@@ -168,13 +168,15 @@ if GLUON_IMPORT_ERROR is None:
     def _load_then_stream(once1_desc, once2_desc, once1_smem, once2_smem, once_bar, once_row, once1_col, once2_col,
                           ring1_desc, ring2_desc, ring1_smem, ring2_smem, ready, empty, ring_row, ring1_col,
                           ring2_col, n_tiles, index, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                          INDEXED: gl.constexpr, SUB: gl.constexpr, ring_last, CLAMP: gl.constexpr):
+                          INDEXED: gl.constexpr, SUB: gl.constexpr, ring_last, CLAMP: gl.constexpr, n_per, col_step,
+                          CYCLE: gl.constexpr):
         """The producer warp of both Gluon kernels: one tile of each side loaded once (the forward's
         queries, the backward's keys), then n_tiles tiles of each side, BLOCK rows apart from
         ring_row, streamed through the ring of STAGES slots (`ready` when a slot's bytes have
         landed, `empty` when its consumers have read it). INDEXED: tile i is part i % SUB of the
         index[i // SUB]-th tile of SUB * BLOCK rows (a schedule's tile list), else the i-th; CLAMP:
-        no tile starts past ring_last rows from ring_row (a last partial tile shifted back)."""
+        no tile starts past ring_last rows from ring_row (a last partial tile shifted back); CYCLE:
+        tile i is the (i % n_per)-th of head i // n_per, whose columns are col_step further on."""
         mbarrier.expect(once_bar, once1_desc.block_type.nbytes + once2_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(once1_desc, [once_row, once1_col], once_bar, once1_smem)
         tma.async_copy_global_to_shared(once2_desc, [once_row, once2_col], once_bar, once2_smem)
@@ -183,14 +185,23 @@ if GLUON_IMPORT_ERROR is None:
             # a slot's first use waits for nothing; its n-th reuse for the consumers' n-th release
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             mbarrier.expect(ready.index(slot), ring1_desc.block_type.nbytes + ring2_desc.block_type.nbytes)
+            col1 = ring1_col
+            col2 = ring2_col
             if INDEXED:
                 row = ring_row + gl.load(index + i // SUB) * (BLOCK * SUB) + (i % SUB) * BLOCK
-            elif CLAMP:
-                row = ring_row + gl.minimum(i * BLOCK, ring_last)
             else:
-                row = ring_row + i * BLOCK
-            tma.async_copy_global_to_shared(ring1_desc, [row, ring1_col], ready.index(slot), ring1_smem.index(slot))
-            tma.async_copy_global_to_shared(ring2_desc, [row, ring2_col], ready.index(slot), ring2_smem.index(slot))
+                t = i
+                if CYCLE:  # the group's query heads in turn, each over its n_per tiles
+                    h_in = i // n_per
+                    t = i - h_in * n_per
+                    col1 = ring1_col + h_in * col_step
+                    col2 = ring2_col + h_in * col_step
+                if CLAMP:
+                    row = ring_row + gl.minimum(t * BLOCK, ring_last)
+                else:
+                    row = ring_row + t * BLOCK
+            tma.async_copy_global_to_shared(ring1_desc, [row, col1], ready.index(slot), ring1_smem.index(slot))
+            tma.async_copy_global_to_shared(ring2_desc, [row, col2], ready.index(slot), ring2_smem.index(slot))
 
     @gluon.jit
     def _full_tile(r1, r2, scale1, scale2, m1, m2, l1, l2, acc):
@@ -482,7 +493,7 @@ if GLUON_IMPORT_ERROR is None:
                 (_load_then_stream, (q1_desc, q2_desc, q1_smem, q2_smem, q_bar, q_row, head * D1, head * D2,
                                      k1_desc, k2_desc, k1_smem, k2_smem, ready, empty, k_row,
                                      (head // group1) * D1, (head // group2) * D2, n_tiles, index, BLOCK_N, STAGES,
-                                     LISTED, 1, 0, False)),
+                                     LISTED, 1, 0, False, 1, 0, False)),
             ],
             [4, 1],
             [232, 40],
