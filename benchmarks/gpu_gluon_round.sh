@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # One device-tool call for the Gluon kernels (streamkl/backends/triton/gluon_forward.py, the
-# default forward at D=128 on sm_90; gluon_backward.py, experimental): their GPU tests first (a
+# default forward at D=128 on sm_90; gluon_backward.py, the default student backward where measured faster): their GPU tests first (a
 # deadlocked barrier protocol would hang: every step is under `timeout`), then their timing against
 # the Triton kernels and SDPA at N=16K (tune_h200.py --section gluon: forward both variants, student
-# backward; GLUON_PARTS=bwd for the backward only), then (REST_SECONDS != 0) test_errors + test_cupy_gpu.
+# backward, and its forced-only scopes: GLUON_PARTS=bwd,bwd-forced), then (REST_SECONDS != 0)
+# test_errors + test_cupy_gpu. The tests run on 8 workers (one process: 240 s was too short in the
+# seventh session's first round).
 # then (SPARSE_SECONDS != 0) the sparsity section with STREAMKL_GLUON=1 and without.
 #   bash benchmarks/gpu_gluon_round.sh        # results under $OUT
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/streamkl-out}
 mkdir -p "$OUT"
-timeout "${GLUON_TEST_SECONDS:-240}" python -m pytest -q -rf --tb=short -p no:benchmark tests/test_triton_gpu.py -k gluon \
-  > "$OUT/gluon_tests.txt" 2>&1
+timeout "${GLUON_TEST_SECONDS:-240}" python -m pytest -q -rf --tb=short -p no:benchmark -n 8 tests/test_triton_gpu.py \
+  -k "gluon or device" > "$OUT/gluon_tests.txt" 2>&1
 echo "gluon tests rc=$?" >> "$OUT/gluon_tests.txt"
 tail -15 "$OUT/gluon_tests.txt"
-timeout "${GLUON_TUNE_SECONDS:-200}" python benchmarks/tune_h200.py --out "$OUT" --section gluon --gluon-parts "${GLUON_PARTS:-fwd,bwd}" > "$OUT/tune.log" 2>&1
+timeout "${GLUON_TUNE_SECONDS:-200}" python benchmarks/tune_h200.py --out "$OUT" --section gluon --gluon-parts "${GLUON_PARTS:-fwd,bwd,bwd-forced}" > "$OUT/tune.log" 2>&1
 grep '"gluon' "$OUT/tune.log"
 if [ "${REST_SECONDS:-0}" != 0 ]; then
   timeout "${REST_SECONDS:-100}" python -m pytest -q -p no:benchmark -n 8 tests/test_errors.py tests/test_cupy_gpu.py 2>&1 \

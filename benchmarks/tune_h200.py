@@ -111,7 +111,8 @@ def main():
                         help="backward modes of the bwd section: student, all, det (student, deterministic only)")
     parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
-    parser.add_argument("--gluon-parts", default="fwd,bwd", help="parts of the gluon section: fwd, bwd")
+    parser.add_argument("--gluon-parts", default="fwd,bwd",
+                        help="parts of the gluon section: fwd, bwd, bwd-forced (the backward's forced-only scopes)")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
     out = Path(args.out)
@@ -261,6 +262,44 @@ def main():
                            rel_err_vs_triton=err)
                 except Exception as exc:  # noqa: BLE001
                     record(kind="gluon_bwd", d=d, causal=causal, error=repr(exc)[:600])
+                finally:
+                    gluon_forward.USE_GLUON = None
+        # the Gluon backward's forced-only scopes against backward.py (seventh session, written after
+        # its last GPU run): partial tiles, student GQA, a window, packed sequences with partial tiles
+        if "bwd-forced" in parts:
+            from streamkl.varlen import cu_seqlens_from_lengths
+
+            forced = [
+                ("tail N=16320 causal", dict(n=16320, hk=h), dict(causal=True)),
+                ("gqa 16/4 causal", dict(n=n, hk=4), dict(causal=True)),
+                ("gqa 16/4", dict(n=n, hk=4), dict()),
+                ("window 1024/0", dict(n=n, hk=h), dict(window=(1024, 0))),
+                ("packed 16 x 1000-4000 causal", dict(n=None, hk=h), dict(causal=True)),
+            ]
+            for name, shape, kwargs in forced:
+                try:
+                    if shape["n"] is None:  # packed sequences of lengths 1000 ... 4000 (partial tiles)
+                        lens = [1000 + 200 * i for i in range(16)]
+                        cu = cu_seqlens_from_lengths(lens, device="cuda")
+                        total = sum(lens)
+                        xs = [torch.randn(total, h if i % 2 == 0 else shape["hk"], 128, device="cuda",
+                                          dtype=torch.bfloat16).requires_grad_(i >= 2) for i in range(4)]
+                        kwargs = dict(kwargs, cu_seqlens=cu)
+                    else:
+                        xs = [torch.randn(1, shape["n"], h if i % 2 == 0 else shape["hk"], 128, device="cuda",
+                                          dtype=torch.bfloat16).requires_grad_(i >= 2) for i in range(4)]
+                    times, grads = {}, {}
+                    for use in (False, True):
+                        gluon_forward.USE_GLUON = use
+                        fwd = bench(kl_fn(xs, **kwargs))
+                        times[use] = bench(kl_fn(xs, True, **kwargs), grads=xs[2:]) - fwd
+                        grads[use] = torch.autograd.grad(streamkl.kl(*xs, backend="triton", **kwargs), xs[2:])
+                    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                              for a, b in zip(grads[True], grads[False]))
+                    record(kind="gluon_bwd_forced", case=name, ms=times[True], triton_ms=times[False],
+                           rel_err_vs_triton=err)
+                except Exception as exc:  # noqa: BLE001
+                    record(kind="gluon_bwd_forced", case=name, error=repr(exc)[:600])
                 finally:
                     gluon_forward.USE_GLUON = None
     if "chunks" in sections:
