@@ -22,7 +22,30 @@ def info() -> str:
     ]
     for name, usable, reasons in backend_report():
         lines.append(f"{name:<8} {'yes' if usable else 'no':<7} {'; '.join(reasons) or '-'}")
+    lines += ["", gluon_status()]
     return "\n".join(lines)
+
+
+def gluon_status() -> str:
+    """Whether the triton backend's Gluon kernels (Hopper) can run here, and how they are chosen."""
+    import os
+
+    import torch
+
+    where = f"$STREAMKL_GLUON: {os.environ.get('STREAMKL_GLUON', '(unset)')}; Gluon kernels (sm_90, triton 3.6): "
+    try:
+        from streamkl.backends.triton import gluon_forward
+    except Exception as exc:  # noqa: BLE001 - no triton, or one that fails to import
+        return where + f"no ({type(exc).__name__}: {exc})"
+    if gluon_forward.GLUON_IMPORT_ERROR is not None:
+        return where + f"no ({gluon_forward.GLUON_IMPORT_ERROR})"
+    if not torch.cuda.is_available():
+        return where + "no (no CUDA GPU is visible)"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return where + f"no (this GPU is sm_{major}{minor})"
+    mode = {None: "where measured faster (the default)", True: "wherever they apply (forced)", False: "off"}
+    return where + "yes, " + mode[gluon_forward.setting()]
 
 
 def main(argv: list[str] | None = None) -> int:

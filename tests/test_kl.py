@@ -302,6 +302,7 @@ def test_available_backends_and_info():
     report = subprocess.run([sys.executable, "-m", "streamkl", "info"], capture_output=True, text=True, check=True)
     for name in ("triton", "cupy", "torch"):
         assert name in report.stdout
+    assert "Gluon kernels" in report.stdout  # and why they cannot run here, or how they are chosen
 
 
 def test_torch_compile_fullgraph_matches_eager():
