@@ -114,16 +114,15 @@ def tile_fit(problem: Problem) -> str | None:
     through a 0 x NaN product), causal with fewer keys than queries (rows without keys), packed
     lengths not known on the host (the front end's value checks keep CPU copies of cu_seqlens; a
     graph capture or torch.compile may not)."""
-    if problem.is_varlen:
-        host = problem.extra.get("host_cu")
-        if host is None:
+    if not problem.is_varlen:  # (plain ints: this runs on every backward call)
+        n_q, n_k = problem.seqlen_q, problem.seqlen_k
+        if n_q < BLOCK_M or n_k < BLOCK_N or (problem.causal and n_k < n_q):
             return None
-        len_q, len_k = (values[1:] - values[:-1] for values in host)
-    else:
-        len_q = torch.tensor([problem.seqlen_q])
-        len_k = torch.tensor([problem.seqlen_k])
-        if problem.seqlen_q == 0:
-            return None
+        return "whole" if n_q % BLOCK_M == 0 and n_k % BLOCK_N == 0 else "tail"
+    host = problem.extra.get("host_cu")
+    if host is None:
+        return None
+    len_q, len_k = (values[1:] - values[:-1] for values in host)
     if bool(((len_q > 0) & (len_q < BLOCK_M)).any()) or bool(((len_k > 0) & (len_k < BLOCK_N)).any()):
         return None
     if problem.causal and bool((len_k < len_q).any()):
