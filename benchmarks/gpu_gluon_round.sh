@@ -3,7 +3,8 @@
 # default forward at D=128 on sm_90; gluon_backward.py, the default student backward where measured faster): their GPU tests first (a
 # deadlocked barrier protocol would hang: every step is under `timeout`), then their timing against
 # the Triton kernels and SDPA at N=16K (tune_h200.py --section gluon: forward both variants, student
-# backward, and its forced-only scopes: GLUON_PARTS=bwd,bwd-forced), then (REST_SECONDS != 0)
+# backward, its dq2 by vector reductions and its forced-only scopes: GLUON_PARTS=bwd,bwd-vec2,bwd-forced),
+# then (REST_SECONDS != 0)
 # test_errors + test_cupy_gpu. The tests run on 8 workers (one process: 240 s was too short in the
 # seventh session's first round).
 # then (SPARSE_SECONDS != 0) the sparsity section with STREAMKL_GLUON=1 and without.
@@ -16,7 +17,7 @@ timeout "${GLUON_TEST_SECONDS:-240}" python -m pytest -q -rf --tb=short -p no:be
   -k "gluon or device" > "$OUT/gluon_tests.txt" 2>&1
 echo "gluon tests rc=$?" >> "$OUT/gluon_tests.txt"
 tail -15 "$OUT/gluon_tests.txt"
-timeout "${GLUON_TUNE_SECONDS:-200}" python benchmarks/tune_h200.py --out "$OUT" --section gluon --gluon-parts "${GLUON_PARTS:-fwd,bwd,bwd-forced}" > "$OUT/tune.log" 2>&1
+timeout "${GLUON_TUNE_SECONDS:-200}" python benchmarks/tune_h200.py --out "$OUT" --section gluon --gluon-parts "${GLUON_PARTS:-fwd,bwd,bwd-vec2,bwd-forced}" > "$OUT/tune.log" 2>&1
 grep '"gluon' "$OUT/tune.log"
 if [ "${REST_SECONDS:-0}" != 0 ]; then
   timeout "${REST_SECONDS:-100}" python -m pytest -q -p no:benchmark -n 8 tests/test_errors.py tests/test_cupy_gpu.py 2>&1 \

@@ -112,7 +112,8 @@ def main():
     parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--gluon-parts", default="fwd,bwd",
-                        help="parts of the gluon section: fwd, bwd, bwd-forced (the backward's forced-only scopes)")
+                        help="parts of the gluon section: fwd, bwd, bwd-vec2 (dq2 by vector reductions), bwd-forced "
+                        "(the backward's forced-only scopes)")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
     out = Path(args.out)
@@ -222,7 +223,7 @@ def main():
     if "gluon" in sections:
         # the experimental warp-specialized Gluon forward against the Triton one (same problem,
         # rows compared), then timed; an error is recorded, not raised
-        from streamkl.backends.triton import gluon_forward
+        from streamkl.backends.triton import gluon_backward, gluon_forward
 
         parts = args.gluon_parts.split(",")
         for d in (128, 64) if "fwd" in parts else ():
@@ -264,6 +265,29 @@ def main():
                     record(kind="gluon_bwd", d=d, causal=causal, error=repr(exc)[:600])
                 finally:
                     gluon_forward.USE_GLUON = None
+        # dq2 by vector reductions (gluon_backward.DQ_VEC2, off by default) against element atomics
+        if "bwd-vec2" in parts:
+            for d in (128, 64):
+                for causal in (False, True):
+                    xs = inputs(n, h, d, grads=(False, False, True, True))
+                    try:
+                        gluon_forward.USE_GLUON = True
+                        times, grads = {}, {}
+                        for vec2 in (False, True):
+                            gluon_backward.DQ_VEC2 = vec2
+                            fwd = bench(kl_fn(xs, causal=causal))
+                            times[vec2] = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
+                            grads[vec2] = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal),
+                                                              xs[2:])
+                        err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                                  for a, b in zip(grads[True], grads[False]))
+                        record(kind="gluon_bwd_vec2", d=d, causal=causal, ms=times[True], atomics_ms=times[False],
+                               vs_sdpa=times[True] / sdpa[d, causal][1], rel_err_vs_atomics=err)
+                    except Exception as exc:  # noqa: BLE001
+                        record(kind="gluon_bwd_vec2", d=d, causal=causal, error=repr(exc)[:600])
+                    finally:
+                        gluon_forward.USE_GLUON = None
+                        gluon_backward.DQ_VEC2 = False
         # the Gluon backward's forced-only scopes against backward.py (seventh session, written after
         # its last GPU run): partial tiles, student GQA, a window, packed sequences with partial tiles
         if "bwd-forced" in parts:

@@ -746,10 +746,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, (128, 64), True, False),
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
-     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa")],
+     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
-         "backward-fp16-D64-varlen-tail-gqa"],
+         "backward-fp16-D64-varlen-tail-gqa-vec2"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -765,8 +765,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call})"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
-    elif overlap == "backward-varlen-tail-gqa":  # the student backward: packed, partial tiles, side-2 GQA
-        call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True, True)"
+    elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
+        call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True, True, True)"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
     elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
@@ -787,6 +787,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
         assert instruction in result["ptx"], instruction
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
+    if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
+        assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
 
 
 @gpu
@@ -933,6 +935,14 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
     assert len(calls) == len(cases) + 10
+    # dq2 by vector reductions of column pairs (DQ_VEC2, inline PTX; written after the seventh
+    # session's last GPU run, off by default: NOT yet run on a GPU)
+    monkeypatch.setattr(gluon_backward, "DQ_VEC2", True)
+    for d, causal in ((128, False), (64, True)):
+        x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
+        check_against_reference(x, "triton", causal=causal)
+    monkeypatch.setattr(gluon_backward, "DQ_VEC2", False)
+    assert len(calls) == len(cases) + 12
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

@@ -99,6 +99,12 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
     return applies(problem, q1, k1, q2, k2, needs, deterministic)
 
 
+#: The dq2 additions as vector reductions of column pairs (`red.global.add.v2.f32`: half the
+#: reduction instructions, whole 32-byte sectors per warp; by inline PTX, Gluon 3.6 having no TMA
+#: reduction) instead of element atomics. Written in the seventh session after its last GPU run:
+#: off until timed and checked there (`tune_h200.py --section gluon` times both).
+DQ_VEC2 = False
+
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
 #: end at the sequence's end) only when forced: written in the seventh session after its last GPU
 #: run, checked under the simulator; whole tiles (dense or packed) ran on the H200.
@@ -161,6 +167,18 @@ def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> boo
 if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
+    def _add_dq(ptrs, values, VEC2: gl.constexpr):
+        """dq2 += values at ptrs (float32, fire and forget). VEC2: each thread's consecutive register
+        pairs, which the wgmma accumulator layout keeps on adjacent columns, added by one 8-byte
+        vector reduction (the pair's first address is 8-byte aligned: even columns)."""
+        if VEC2:
+            gl.inline_asm_elementwise(
+                "red.global.add.v2.f32 [$2], {$4, $5};\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;",
+                "=r,=r,l,l,f,f", [ptrs.to(gl.int64, bitcast=True), values], dtype=gl.int32, is_pure=False, pack=2)
+        else:
+            gl.atomic_add(ptrs, values, sem="relaxed")
+
+    @gluon.jit
     def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -168,7 +186,8 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
+                      CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
+                      VEC2: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -282,12 +301,11 @@ if GLUON_IMPORT_ERROR is None:
             if D > 64:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                gl.atomic_add(p_tile + (o_qd[:, None] * stride_dqn + (WG * 64 + o_dq_col)[None, :]), dq * out_scale2,
-                              sem="relaxed")
+                _add_dq(p_tile + (o_qd[:, None] * stride_dqn + (WG * 64 + o_dq_col)[None, :]), dq * out_scale2, VEC2)
             elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                gl.atomic_add(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, sem="relaxed")
+                _add_dq(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, VEC2)
             if not LISTED and not TAIL and not GQA2:
                 p_tile += dq_step
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
@@ -306,14 +324,14 @@ if GLUON_IMPORT_ERROR is None:
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                         n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -339,6 +357,7 @@ if GLUON_IMPORT_ERROR is None:
         VARLEN: gl.constexpr,  # packed sequences (lengths known on the host: `tile_fit`)
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
+        VEC2: gl.constexpr,  # dq2 added by vector reductions of column pairs (`DQ_VEC2`)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -426,14 +445,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -489,7 +508,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
-                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1)
+                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC2=DQ_VEC2)
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -522,7 +541,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
-                       varlen: bool = False, tail: bool = False, gqa2: bool = False):
+                       varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -540,5 +559,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
