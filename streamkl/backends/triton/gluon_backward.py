@@ -13,7 +13,10 @@ backward; `benchmarks/results/tune_h200.md`, rounds 11-13):
   against 1.85 ms); dk2's and dq2's products in flight together (one wait) measured slower (17.2 /
   7.3 ms) and was reverted;
 - the float32 dq2 buffer in head chunks as backward.py's (`backward.atomic_head_chunks`), so the
-  extra memory stays under the gradients' size: 16.1 / 7.1 ms.
+  extra memory stays under the gradients' size: 16.1 / 7.1 ms;
+- written after the seventh session's last GPU run, off until timed: `DQ_VEC2`, dq2 added by
+  vector reductions of column pairs instead of element atomics (backward.py adds dq with TMA
+  bulk reductions, which Gluon 3.6 lacks).
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
