@@ -112,8 +112,8 @@ def main():
     parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--gluon-parts", default="fwd,bwd",
-                        help="parts of the gluon section: fwd, bwd, bwd-vec2 (dq2 by vector reductions), bwd-forced "
-                        "(the backward's forced-only scopes)")
+                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2 / PIPE_SCORES), "
+                        "bwd-forced (the backward's forced-only scopes)")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
     out = Path(args.out)
@@ -265,29 +265,34 @@ def main():
                     record(kind="gluon_bwd", d=d, causal=causal, error=repr(exc)[:600])
                 finally:
                     gluon_forward.USE_GLUON = None
-        # dq2 by vector reductions (gluon_backward.DQ_VEC2, off by default) against element atomics
-        if "bwd-vec2" in parts:
+        # the Gluon backward's experimental knobs (off by default): dq2 by vector reductions
+        # (DQ_VEC2), the next step's products issued ahead (PIPE_SCORES), both; forced on, vs none
+        if "bwd-knobs" in parts:
+            knobs = {"vec2": ("DQ_VEC2",), "pipe": ("PIPE_SCORES",), "vec2+pipe": ("DQ_VEC2", "PIPE_SCORES")}
             for d in (128, 64):
                 for causal in (False, True):
                     xs = inputs(n, h, d, grads=(False, False, True, True))
+                    gluon_forward.USE_GLUON = True
                     try:
-                        gluon_forward.USE_GLUON = True
-                        times, grads = {}, {}
-                        for vec2 in (False, True):
-                            gluon_backward.DQ_VEC2 = vec2
-                            fwd = bench(kl_fn(xs, causal=causal))
-                            times[vec2] = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
-                            grads[vec2] = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal),
-                                                              xs[2:])
-                        err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                                  for a, b in zip(grads[True], grads[False]))
-                        record(kind="gluon_bwd_vec2", d=d, causal=causal, ms=times[True], atomics_ms=times[False],
-                               vs_sdpa=times[True] / sdpa[d, causal][1], rel_err_vs_atomics=err)
-                    except Exception as exc:  # noqa: BLE001
-                        record(kind="gluon_bwd_vec2", d=d, causal=causal, error=repr(exc)[:600])
+                        fwd = bench(kl_fn(xs, causal=causal))
+                        base = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
+                        want = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal), xs[2:])
+                        for name, attrs in knobs.items():
+                            try:
+                                for attr in attrs:
+                                    setattr(gluon_backward, attr, True)
+                                t = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
+                                got = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal), xs[2:])
+                                err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                                          for a, b in zip(got, want))
+                                record(kind="gluon_bwd_knob", knob=name, d=d, causal=causal, ms=t, base_ms=base,
+                                       vs_sdpa=t / sdpa[d, causal][1], rel_err_vs_base=err)
+                            except Exception as exc:  # noqa: BLE001
+                                record(kind="gluon_bwd_knob", knob=name, d=d, causal=causal, error=repr(exc)[:600])
+                            finally:
+                                gluon_backward.DQ_VEC2 = gluon_backward.PIPE_SCORES = False
                     finally:
                         gluon_forward.USE_GLUON = None
-                        gluon_backward.DQ_VEC2 = False
         # the Gluon backward's forced-only scopes against backward.py (seventh session, written after
         # its last GPU run): partial tiles, student GQA, a window, packed sequences with partial tiles
         if "bwd-forced" in parts:

@@ -937,12 +937,14 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
     assert len(calls) == len(cases) + 10
     # dq2 by vector reductions of column pairs (DQ_VEC2, inline PTX; written after the seventh
     # session's last GPU run, off by default: NOT yet run on a GPU)
-    monkeypatch.setattr(gluon_backward, "DQ_VEC2", True)
-    for d, causal in ((128, False), (64, True)):
-        x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
-        check_against_reference(x, "triton", causal=causal)
-    monkeypatch.setattr(gluon_backward, "DQ_VEC2", False)
-    assert len(calls) == len(cases) + 12
+    # and the next step's products issued ahead (PIPE_SCORES; same session, simulator-checked)
+    for knob in ("DQ_VEC2", "PIPE_SCORES"):
+        monkeypatch.setattr(gluon_backward, knob, True)
+        for d, causal in ((128, False), (64, True)):
+            x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
+            check_against_reference(x, "triton", causal=causal)
+        monkeypatch.setattr(gluon_backward, knob, False)
+    assert len(calls) == len(cases) + 14
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

@@ -16,7 +16,8 @@ backward; `benchmarks/results/tune_h200.md`, rounds 11-13):
   extra memory stays under the gradients' size: 16.1 / 7.1 ms;
 - written after the seventh session's last GPU run, off until timed: `DQ_VEC2`, dq2 added by
   vector reductions of column pairs instead of element atomics (backward.py adds dq with TMA
-  bulk reductions, which Gluon 3.6 lacks).
+  bulk reductions, which Gluon 3.6 lacks); `PIPE_SCORES`, the next step's score products issued
+  before this step's exponentials (ptxas spills 160-180 B dense, 1.5 KB listed).
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -108,6 +109,11 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
 #: off until timed and checked there (`tune_h200.py --section gluon` times both).
 DQ_VEC2 = False
 
+#: The next step's two score products issued (asynchronously) before this step's exponentials, so
+#: the tensor cores work during them within a warpgroup, not only across the two (FA3's
+#: intra-warpgroup overlap). Written after the seventh session's last GPU run: off until timed.
+PIPE_SCORES = False
+
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
 #: end at the sequence's end) only when forced: written in the seventh session after its last GPU
 #: run, checked under the simulator; whole tiles (dense or packed) ran on the H200.
@@ -190,7 +196,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC2: gl.constexpr):
+                      VEC2: gl.constexpr, PIPE: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -223,11 +229,18 @@ if GLUON_IMPORT_ERROR is None:
         p_tile = DQ2 + o_dq + (o_dq * 0 + first_tile * BLOCK_M) * stride_dqn
         dq_step = (o_dq * 0 + BLOCK_M) * stride_dqn
         mbarrier.wait(k_bar, 0)
+        if PIPE:  # the first step's products, issued ahead (with no step: read, never used)
+            mbarrier.wait(ready.index(0), 0, pred=n_tiles > 0)
+            t1 = hopper.warpgroup_mma(ka1, q1_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            t2 = hopper.warpgroup_mma(ka2, q2_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         for i in range(n_tiles):
             slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if not PIPE:
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
             if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
                 tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
             else:
@@ -257,6 +270,14 @@ if GLUON_IMPORT_ERROR is None:
                 lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
                 lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
             st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+            if PIPE:  # the next step's products run on the tensor cores during this step's exponentials
+                has_next = i + 1 < n_tiles  # (the last step re-reads its own slot: a product never used)
+                next_slot = slot + has_next.to(gl.int32) * ((i + 1) % STAGES - slot)
+                mbarrier.wait(ready.index(next_slot), ((i + 1) // STAGES) & 1, pred=has_next)
+                t1 = hopper.warpgroup_mma(ka1, q1_smem.index(next_slot).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                t2 = hopper.warpgroup_mma(ka2, q2_smem.index(next_slot).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
             if LISTED:
                 visit = i // 2
                 if visit < n_full_listed:
@@ -311,6 +332,8 @@ if GLUON_IMPORT_ERROR is None:
                 _add_dq(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, VEC2)
             if not LISTED and not TAIL and not GQA2:
                 p_tile += dq_step
+        if PIPE:  # (with no step, the products issued ahead are still in flight)
+            hopper.warpgroup_mma_wait(0, deps=[t1, t2])
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         p_dk = DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
         if TAIL:  # keys before k_fresh are the previous tile's (this one shifted back)
@@ -327,14 +350,15 @@ if GLUON_IMPORT_ERROR is None:
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                         n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr,
+                        PIPE: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -361,6 +385,7 @@ if GLUON_IMPORT_ERROR is None:
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
         VEC2: gl.constexpr,  # dq2 added by vector reductions of column pairs (`DQ_VEC2`)
+        PIPE: gl.constexpr,  # the next step's score products issued before this step's exponentials
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -448,14 +473,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -511,7 +536,8 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
-                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC2=DQ_VEC2)
+                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC2=DQ_VEC2,
+                      PIPE=PIPE_SCORES)
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -544,7 +570,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
-                       varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False):
+                       varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
+                       pipe: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -562,5 +589,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2, PIPE=pipe)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
