@@ -1,4 +1,4 @@
-"""The experimental Gluon forward (streamkl/backends/triton/gluon_forward.py) run on the CPU, under the
+"""The Gluon kernels (streamkl/backends/triton/gluon_forward.py, gluon_backward.py) run on the CPU, under the
 Gluon simulator of triton-viz (NumPy: partitions as threads, mbarriers, TMA, wgmma), against the
 float64 reference. A check of the kernel's arithmetic, indexing, masks and barrier protocol before
 GPU time is spent on it; not timing, not the hardware's memory model (async-proxy fences, register

@@ -3,7 +3,7 @@ warp / pipeline settings against SDPA flash at the issue #5 shapes, plus a corre
 every configuration against the float64 reference on a small causal GQA problem.
 
     python benchmarks/tune_h200.py --out results_dir      # one GPU call, ~3-5 min
-    python benchmarks/tune_h200.py --section gluon        # the experimental Gluon forward against the Triton one
+    python benchmarks/tune_h200.py --section gluon        # the Gluon kernels against the Triton ones
 
 Writes tune.json (every timing) and prints one line per measurement. Timings: triton.testing.do_bench
 (L2 flushed before each call), median ms. Backward = fwd+bwd - fwd.

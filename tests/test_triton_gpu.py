@@ -825,13 +825,13 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
         x = make_inputs((int(cu_q[-1]) + 5,), (int(cu_k[-1]),), 4, (2, 4), (d, d), torch.bfloat16, DEVICE,
                         (False, False, True, True))
         check_against_reference(x, "triton", causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
-    # different teacher and student head dims (NOT yet run on a GPU when written, sixth session)
+    # different teacher and student head dims (written in the sixth session, first run on the H200 in the seventh)
     for dims, causal in (((128, 64), True), ((64, 128), False)):
         x = make_inputs((2, 256), (2, 384), 4, (4, 2), dims, torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
     assert len(calls) == len(cases) + 5
     # block masks (side 2 sparser: uncovered rows; rows without blocks: empty) and windows, through
-    # the schedule's key-tile lists (plain variant only; NOT yet run on a GPU when written)
+    # the schedule's key-tile lists (plain variant only; first run on the H200 in the seventh session)
     if not overlap:
         g = torch.Generator(device=DEVICE).manual_seed(0)
         for (n_q, n_k), causal, densities, window in (
@@ -890,7 +890,7 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
         check_against_reference(x, "triton", causal=causal)
     assert len(calls) == len(cases)
     # block masks (uncovered and empty rows) and a window through the key schedule's lists
-    # (NOT yet run on a GPU when written, sixth session; checked under the simulator)
+    # (written in the sixth session under the simulator, first run on the H200 in the seventh)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     for (n_q, n_k), causal, densities, window in (
         ((256, 384), False, (0.6, 0.5), (-1, -1)),
@@ -949,8 +949,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py
     assert not calls
-    # float16 (the upstream gradient rescaled to a peak of 64, as backward.py does; NOT yet run on
-    # a GPU when written, sixth session): a long mean-reduced loss, whose g ~ 1 / (N H)
+    # float16 (the upstream gradient rescaled to a peak of 64, as backward.py does; first run on
+    # the H200 in the seventh session): a long mean-reduced loss, whose g ~ 1 / (N H)
     x = make_inputs((1, 2048), (1, 2048), 4, (2, 4), (128, 128), torch.float16, DEVICE, (False, False, True, True))
     out = streamkl.kl(*x, backend="triton", causal=True)
     got = torch.autograd.grad(out, x[2:])
