@@ -121,6 +121,14 @@ TAILS_BY_DEFAULT = False
 
 
 def tile_fit(problem: Problem) -> str | None:
+    """`_tile_fit`, once per problem: the choice, the scope check and every chunk's launch ask it
+    (for packed sequences it reads the host lengths with a few torch ops)."""
+    if "gluon_tile_fit" not in problem.extra:
+        problem.extra["gluon_tile_fit"] = _tile_fit(problem)
+    return problem.extra["gluon_tile_fit"]
+
+
+def _tile_fit(problem: Problem) -> str | None:
     """How the sequences cut into the kernel's tiles (64 query rows, 128 keys), for the dense (not
     listed) path: "whole", "tail" (some length not a multiple: the last tile or step of a sequence
     is shifted back to end at its last row or key, the rows / keys an earlier one owns masked), or
