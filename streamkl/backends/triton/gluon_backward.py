@@ -14,10 +14,16 @@ backward; `benchmarks/results/tune_h200.md`, rounds 11-13):
   7.3 ms) and was reverted;
 - the float32 dq2 buffer in head chunks as backward.py's (`backward.atomic_head_chunks`), so the
   extra memory stays under the gradients' size: 16.1 / 7.1 ms;
-- written after the seventh session's last GPU run, off until timed: `DQ_VEC2`, dq2 added by
-  vector reductions of column pairs instead of element atomics (backward.py adds dq with TMA
-  bulk reductions, which Gluon 3.6 lacks); `PIPE_SCORES`, the next step's score products issued
-  before this step's exponentials (ptxas spills 160-180 B dense, 1.5 KB listed).
+- written in the seventh session, timed in the eighth (round 14) and left off: `DQ_VEC2`, dq2
+  added by vector reductions of column pairs instead of element atomics (backward.py adds dq with
+  TMA bulk reductions, which Gluon 3.6 lacks): 16.4 / 7.5 ms; `PIPE_SCORES`, the next step's
+  score products issued before this step's exponentials (ptxas spills 160-180 B dense, 1.5 KB
+  listed): 18.0 / 8.1 ms;
+- partial tiles (TAIL) and side-2 GQA (GQA2), written in the seventh session, ran in the eighth
+  and are default within the causal scope: N=16320 causal 7.30 against backward.py's 7.85 ms,
+  GQA 16/4 causal 7.15 against 8.02 (non-causal 16.2 against 15.8: outside the default anyway),
+  16 packed sequences of 1000-4000 tokens 4.00 against 4.61; a window (1024, 0) 1.54 against
+  1.41 (windows alone stay on backward.py).
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -37,8 +43,8 @@ not deterministic; everything else runs backward.py. Dense or packed sequences
 gradients through a 0 x NaN product. Lengths that are whole tiles (64 / 128) ran on the H200;
 others (TAIL: each sequence's last partial key tile and query step shifted back to end at its last
 key / row, the keys and rows an earlier tile owns masked, dk2 stored for its own keys only) only
-when forced (`TAILS_BY_DEFAULT`), simulator-checked, not yet run on a GPU. GQA on side 2
-(GQA2, seventh session, forced only, simulator-checked, not yet run on a GPU) where side 1's
+by default too (`TAILS_BY_DEFAULT`; run on the H200 in the eighth session). GQA on side 2
+(GQA2, seventh session; run on the H200 in the eighth, default in the same scope) where side 1's
 groups are multiples of side 2's (so one side-1 key tile serves the whole group; the same
 grouping on both sides is the usual case), not with block masks or windows: a program per
 (key tile, side-2 key head) takes its group's query heads in turn, dk2 accumulated over all of
@@ -84,10 +90,11 @@ def stages(dim: int) -> int:
 
 def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
     """Whether this backward runs the Gluon kernel: where it applies, by default at head dim 128
-    with causality (no window, no block masks) or with block masks (measured faster than
-    backward.py there: H200, N=16K, seventh session, 7.0 against 7.8 ms causal and 1.71 against
-    1.85 ms at 90 % block sparsity; slower without causality or masks, 15.7 against 14.7 ms, and at
-    head dim 64); everywhere it applies when forced (`gluon_forward.setting()`)."""
+    with causality (no window, no block masks; partial tiles and side-2 GQA included) or with block
+    masks (measured faster than backward.py there: H200, N=16K, seventh and eighth sessions, 7.0
+    against 7.8 ms causal, 7.15 against 8.02 with GQA 16/4, 1.71 against 1.85 ms at 90 % block
+    sparsity; slower without causality or masks, 15.7 against 14.7 ms, and at head dim 64);
+    everywhere it applies when forced (`gluon_forward.setting()`)."""
     use = setting()
     if use is False:
         return False
@@ -98,26 +105,27 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
             return False
         if not listed(problem) and not TAILS_BY_DEFAULT and tile_fit(problem) != "whole":
             return False
-        if problem.heads_k2 != problem.heads:  # side-2 GQA: forced only (not yet run on a GPU)
-            return False
     return applies(problem, q1, k1, q2, k2, needs, deterministic)
 
 
 #: The dq2 additions as vector reductions of column pairs (`red.global.add.v2.f32`: half the
 #: reduction instructions, whole 32-byte sectors per warp; by inline PTX, Gluon 3.6 having no TMA
-#: reduction) instead of element atomics. Written in the seventh session after its last GPU run:
-#: off until timed and checked there (`tune_h200.py --section gluon` times both).
+#: reduction) instead of element atomics. Correct on the H200 (eighth session, forced GPU test) but
+#: not faster where the kernel is the default: D=128 causal 7.47 against 7.14 ms (non-causal 16.41
+#: against 16.72, D=64 within 1 %; `tune_h200_round14.jsonl`). Off.
 DQ_VEC2 = False
 
 #: The next step's two score products issued (asynchronously) before this step's exponentials, so
 #: the tensor cores work during them within a warpgroup, not only across the two (FA3's
-#: intra-warpgroup overlap). Written after the seventh session's last GPU run: off until timed.
+#: intra-warpgroup overlap). Correct on the H200 (eighth session) but slower at D=128: 8.09 against
+#: 7.14 ms causal, 18.0 against 16.7 non-causal (its spills); D=64 causal 4.69 against 4.80. Off.
 PIPE_SCORES = False
 
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
-#: end at the sequence's end) only when forced: written in the seventh session after its last GPU
-#: run, checked under the simulator; whole tiles (dense or packed) ran on the H200.
-TAILS_BY_DEFAULT = False
+#: end at the sequence's end) by default too: written in the seventh session, run and timed on the
+#: H200 in the eighth (N=16320 causal 7.30 against backward.py's 7.85 ms; 16 packed sequences of
+#: 1000-4000 tokens, causal, 4.00 against 4.61 ms). False keeps them on backward.py.
+TAILS_BY_DEFAULT = True
 
 
 def tile_fit(problem: Problem) -> str | None:
