@@ -72,7 +72,7 @@ def sdpa_times(n, h, d, causal):
 #: configuration keys -> the modules whose TUNE dict reads them ("fold": the score arithmetic of both)
 TUNE_KEYS = {"fwd": (tfwd,), "tma": (tfwd,), "kv_tiles": (tbwd,), "kv_tiles2": (tbwd,), "kv": (tbwd,),
              "dq": (tbwd,), "fold": (tfwd, tbwd), "dq_tma": (tbwd,), "atomic2": (tbwd,),
-             "dq_tiles": (tbwd,)}
+             "dq_tiles": (tbwd,), "poly": (tfwd,)}
 
 
 def set_config(cfg):
