@@ -330,8 +330,11 @@ def arithmetic(problem: Problem) -> dict:
 #: Exponentials moved to the FMA units in the full tiles of the folded (16-bit) forward, by head
 #: dim block (`_fold_stats`'s POLY: 1 a quarter of them, side 2's odd columns; 2 side 2's; 3 half,
 #: both sides' odd columns). At D=64 two exponentials per score against 256 matmul flops make the
-#: exp unit (16 a clock per SM, against 128 FMAs) the bound. Written in the eighth session, off
-#: until timed on the H200 (`tune_h200.py --section poly`).
+#: exp unit (16 a clock per SM, against 128 FMAs) the bound on paper. Measured slower on the H200
+#: (eighth session, `tune_h200_round15.jsonl`, N=16K bf16, Triton forward): D=64 3.57 ms without,
+#: 3.83 with 1, 4.37 with 2, 4.47 with 3 (D=128: 5.59 against 6.13 / 7.45 / 6.62). The loop is not
+#: exp-throughput bound (65 % of the exp unit's rate, 48 % of the issue rate, from its SASS): the
+#: extra instructions lengthen its dependency chains. Empty: off everywhere.
 POLY_EXP: dict = {}
 
 
