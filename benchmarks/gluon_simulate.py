@@ -13,6 +13,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py        # ~15 s: eight problems
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward    # the student backward (gluon_backward.py)
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward --pipe   # ... with PIPE_SCORES on
+    /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward --diagonal   # ... masks on diagonal steps only
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -290,6 +291,10 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.PIPE_SCORES = True
+    if "--diagonal" in sys.argv:  # the backward's masks only on the steps that need them (MASK_EVERY_STEP off)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.MASK_EVERY_STEP = False
     cases = [  # (B, Nq, Nk, H, (Hk1, Hk2), D, causal, overlap): ring wrap-around, GQA, Nk > Nq, both variants
         (1, 128, 128, 1, (1, 1), 64, False, False),
         (1, 128, 128, 1, (1, 1), 64, True, False),

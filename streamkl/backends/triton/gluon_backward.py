@@ -121,6 +121,12 @@ DQ_VEC2 = False
 #: 7.14 ms causal, 18.0 against 16.7 non-causal (its spills); D=64 causal 4.69 against 4.80. Off.
 PIPE_SCORES = False
 
+#: The causal and partial-tile masks applied on every query step (True, as through the seventh
+#: session) instead of only on the steps that cross the diagonal or hold rows / keys of an earlier
+#: step / tile (False: the others skip ~15 % of the loop's instructions, from the sm_90a SASS).
+#: Written in the eighth session: True until timed on the H200.
+MASK_EVERY_STEP = True
+
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
 #: end at the sequence's end) by default too: written in the seventh session, run and timed on the
 #: H200 in the eighth (N=16320 causal 7.30 against backward.py's 7.85 ms; 16 packed sequences of
@@ -212,7 +218,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC2: gl.constexpr, PIPE: gl.constexpr):
+                      VEC2: gl.constexpr, PIPE: gl.constexpr, MASK_ALL: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -310,16 +316,26 @@ if GLUON_IMPORT_ERROR is None:
             else:
                 p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
                 q = gl.exp2(st2 * scale2 - lse2[None, :])
+                # masks only on the steps that need them (MASK_ALL: every step, as before): a causal
+                # step whose rows all see this warpgroup's last key, or a tail step with no key or
+                # row of an earlier tile / step, skips the compares and selects (~15 % of the
+                # loop's instructions)
+                diagonal = k0 + WG * HALF + HALF - 1 > tile_row0 + offset
                 if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
-                    allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
+                    masked = MASK_ALL or (k_fresh > k0 + WG * HALF) or (fresh_row0 > tile_row0)
                     if CAUSAL:
-                        allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
-                    p = gl.where(allowed, p, 0.0)
-                    q = gl.where(allowed, q, 0.0)
+                        masked = masked or diagonal
+                    if masked:
+                        allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
+                        if CAUSAL:
+                            allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
+                        p = gl.where(allowed, p, 0.0)
+                        q = gl.where(allowed, q, 0.0)
                 elif CAUSAL:
-                    allowed = o_j[:, None] <= (o_i + offset)[None, :]
-                    p = gl.where(allowed, p, 0.0)
-                    q = gl.where(allowed, q, 0.0)
+                    if MASK_ALL or diagonal:
+                        allowed = o_j[:, None] <= (o_i + offset)[None, :]
+                        p = gl.where(allowed, p, 0.0)
+                        q = gl.where(allowed, q, 0.0)
                 ds = g[None, :] * (q - p)
             ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
             # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
@@ -367,14 +383,14 @@ if GLUON_IMPORT_ERROR is None:
                         n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr,
-                        PIPE: gl.constexpr):
+                        PIPE: gl.constexpr, MASK_ALL: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE, MASK_ALL)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -402,6 +418,7 @@ if GLUON_IMPORT_ERROR is None:
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
         VEC2: gl.constexpr,  # dq2 added by vector reductions of column pairs (`DQ_VEC2`)
         PIPE: gl.constexpr,  # the next step's score products issued before this step's exponentials
+        MASK_ALL: gl.constexpr,  # causal / tail masks on every step (`MASK_EVERY_STEP`)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -489,14 +506,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE, MASK_ALL)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE, MASK_ALL)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -553,7 +570,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC2=DQ_VEC2,
-                      PIPE=PIPE_SCORES)
+                      PIPE=PIPE_SCORES, MASK_ALL=MASK_EVERY_STEP)
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -587,7 +604,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
-                       pipe: bool = False):
+                       pipe: bool = False, mask_all: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -605,5 +622,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2, PIPE=pipe)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2, PIPE=pipe,
+                      MASK_ALL=mask_all)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
