@@ -985,6 +985,18 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
             check_against_reference(x, "triton", causal=causal)
         monkeypatch.setattr(gluon_backward, knob, False)
     assert len(calls) == len(cases) + 14
+    # masks only on the steps that need them (MASK_EVERY_STEP off; eighth session): causal whole
+    # tiles, shifted tails, side-2 GQA, packed partial tiles, D=64
+    monkeypatch.setattr(gluon_backward, "MASK_EVERY_STEP", False)
+    for (n_q, n_k), heads_k, d in (((256, 384), (2, 4), 128), ((200, 300), (2, 4), 128), ((130, 257), (2, 2), 128),
+                                   ((192, 320), (2, 4), 64)):
+        x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
+        check_against_reference(x, "triton", causal=True)
+    x = make_inputs((int(cu_q[-1]) + 5,), (int(cu_k[-1]) + 3,), 4, (2, 4), (128, 128), torch.bfloat16, DEVICE,
+                    (False, False, True, True))
+    check_against_reference(x, "triton", causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    monkeypatch.setattr(gluon_backward, "MASK_EVERY_STEP", True)
+    assert len(calls) == len(cases) + 19
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py
