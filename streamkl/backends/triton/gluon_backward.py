@@ -19,6 +19,8 @@ backward; `benchmarks/results/tune_h200.md`, rounds 11-13):
   TMA bulk reductions, which Gluon 3.6 lacks): 16.4 / 7.5 ms; `PIPE_SCORES`, the next step's
   score products issued before this step's exponentials (ptxas spills 160-180 B dense, 1.5 KB
   listed): 18.0 / 8.1 ms;
+- the masks only on the steps that cross the diagonal (`MASK_EVERY_STEP` off, eighth session):
+  7.52 against 7.02 ms causal, left off;
 - partial tiles (TAIL) and side-2 GQA (GQA2), written in the seventh session, ran in the eighth
   and are default within the causal scope: N=16320 causal 7.30 against backward.py's 7.85 ms,
   GQA 16/4 causal 7.15 against 8.02 (non-causal 16.2 against 15.8: outside the default anyway),
@@ -124,7 +126,10 @@ PIPE_SCORES = False
 #: The causal and partial-tile masks applied on every query step (True, as through the seventh
 #: session) instead of only on the steps that cross the diagonal or hold rows / keys of an earlier
 #: step / tile (False: the others skip ~15 % of the loop's instructions, from the sm_90a SASS).
-#: Written in the eighth session: True until timed on the H200.
+#: Correct on the H200 (eighth session) but slower there (`tune_h200_round16.jsonl`, N=16K bf16):
+#: D=128 causal 7.52 against 7.02 ms, N=16320 causal 7.45 against 7.17, 16 packed sequences of
+#: 1000-4000 tokens 4.16 against 3.98 (D=64, forced: 4.69 against 4.77). The branch in the loop
+#: costs more than the selects it skips. True.
 MASK_EVERY_STEP = True
 
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
