@@ -263,8 +263,9 @@ def test_forward_exponentials_on_the_fma_units(poly, monkeypatch):
         out = streamkl.kl(q1, k1, q2, k2, reduction="none", backend="triton")
         ref, _, _ = reference_kl(q1.double(), k1.double(), q2.double(), k2.double())
         assert ref.max().item() < 1e-2 and (out.double() - ref).abs().max().item() <= 1e-5
-    if poly:  # the polynomial ran: a broken one fails the comparison (checked by hand once)
-        assert forward.arithmetic(forward_problem(q1, k1, q2, k2))["POLY"] == poly
+    # the polynomial ran (a 1.4e-4 error in one coefficient fails the near-convergence check:
+    # tried as a mutation when this test was written)
+    assert forward.arithmetic(forward_problem(q1, k1, q2, k2))["POLY"] == poly
 
 
 def forward_problem(q1, k1, q2, k2):
