@@ -12,8 +12,6 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     /tmp/tvenv/bin/pip install ml_dtypes anytree z3-solver==4.15.3.0 pyarrow tqdm flask
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py        # ~15 s: eight problems
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward    # the student backward (gluon_backward.py)
-    /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward --pipe   # ... with PIPE_SCORES on
-    /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward --diagonal   # ... masks on diagonal steps only
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -287,14 +285,6 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
 def main():
     faulthandler.dump_traceback_later(900, exit=True)  # a deadlocked protocol shows where each partition waits
     triton_viz, client = _adjust_simulator()
-    if "--pipe" in sys.argv:  # the backward's next-step products issued ahead (gluon_backward.PIPE_SCORES)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.PIPE_SCORES = True
-    if "--diagonal" in sys.argv:  # the backward's masks only on the steps that need them (MASK_EVERY_STEP off)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.MASK_EVERY_STEP = False
     cases = [  # (B, Nq, Nk, H, (Hk1, Hk2), D, causal, overlap): ring wrap-around, GQA, Nk > Nq, both variants
         (1, 128, 128, 1, (1, 1), 64, False, False),
         (1, 128, 128, 1, (1, 1), 64, True, False),

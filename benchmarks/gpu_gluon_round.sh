@@ -3,7 +3,7 @@
 # default forward at D=128 on sm_90; gluon_backward.py, the default student backward where measured faster): their GPU tests first (a
 # deadlocked barrier protocol would hang: every step is under `timeout`), then their timing against
 # the Triton kernels and SDPA at N=16K (tune_h200.py --section gluon: forward both variants, student
-# backward, its experimental knobs (DQ_VEC2, PIPE_SCORES) and forced-only scopes: GLUON_PARTS=bwd,bwd-knobs,bwd-forced),
+# backward, its experimental knob (DQ_VEC2) and forced-only scopes: GLUON_PARTS=bwd,bwd-knobs,bwd-forced),
 # then (REST_SECONDS != 0)
 # test_errors + test_cupy_gpu. The tests run on 8 workers (one process: 240 s was too short in the
 # seventh session's first round).

@@ -72,7 +72,7 @@ def sdpa_times(n, h, d, causal):
 #: configuration keys -> the modules whose TUNE dict reads them ("fold": the score arithmetic of both)
 TUNE_KEYS = {"fwd": (tfwd,), "tma": (tfwd,), "kv_tiles": (tbwd,), "kv_tiles2": (tbwd,), "kv": (tbwd,),
              "dq": (tbwd,), "fold": (tfwd, tbwd), "dq_tma": (tbwd,), "atomic2": (tbwd,),
-             "dq_tiles": (tbwd,), "poly": (tfwd,)}
+             "dq_tiles": (tbwd,)}
 
 
 def set_config(cfg):
@@ -112,9 +112,8 @@ def main():
     parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--gluon-parts", default="fwd,bwd",
-                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2 / PIPE_SCORES), "
-                        "bwd-forced (the backward's forced-only scopes), bwd-diagonal (its masks on every step or "
-                        "only where needed)")
+                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2), "
+                        "bwd-forced (the backward's forced-only scopes)")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
     out = Path(args.out)
@@ -266,10 +265,10 @@ def main():
                     record(kind="gluon_bwd", d=d, causal=causal, error=repr(exc)[:600])
                 finally:
                     gluon_forward.USE_GLUON = None
-        # the Gluon backward's experimental knobs (off by default): dq2 by vector reductions
-        # (DQ_VEC2), the next step's products issued ahead (PIPE_SCORES), both; forced on, vs none
+        # the Gluon backward's experimental knob (off by default): dq2 by vector reductions (DQ_VEC2)
+        # forced on, against off
         if "bwd-knobs" in parts:
-            knobs = {"vec2": ("DQ_VEC2",), "pipe": ("PIPE_SCORES",), "vec2+pipe": ("DQ_VEC2", "PIPE_SCORES")}
+            knobs = {"vec2": ("DQ_VEC2",)}
             for d in (128, 64):
                 for causal in (False, True):
                     xs = inputs(n, h, d, grads=(False, False, True, True))
@@ -291,40 +290,9 @@ def main():
                             except Exception as exc:  # noqa: BLE001
                                 record(kind="gluon_bwd_knob", knob=name, d=d, causal=causal, error=repr(exc)[:600])
                             finally:
-                                gluon_backward.DQ_VEC2 = gluon_backward.PIPE_SCORES = False
+                                gluon_backward.DQ_VEC2 = False
                     finally:
                         gluon_forward.USE_GLUON = None
-        # the Gluon backward's masks on every step (MASK_EVERY_STEP, as through the seventh session)
-        # against only the steps that need them (eighth session), where they differ: causal, tails
-        if "bwd-diagonal" in parts:
-            from streamkl.varlen import cu_seqlens_from_lengths
-
-            lens = [1000 + 200 * i for i in range(16)]
-            packed = dict(cu_seqlens=cu_seqlens_from_lengths(lens, device="cuda"))
-            cases = [("D128 causal", 16384, 128, {}), ("D64 causal (forced)", 16384, 64, {}),
-                     ("tail N=16320 causal", 16320, 128, {}), ("packed 16 x 1000-4000 causal", None, 128, packed)]
-            for name, n_case, d, kwargs in cases:
-                try:
-                    shape = (sum(lens),) if n_case is None else (1, n_case)
-                    xs = [torch.randn(*shape, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_(i >= 2)
-                          for i in range(4)]
-                    gluon_forward.USE_GLUON = True
-                    fwd = bench(kl_fn(xs, causal=True, **kwargs))
-                    times, grads = {}, {}
-                    for every in (True, False):
-                        gluon_backward.MASK_EVERY_STEP = every
-                        times[every] = bench(kl_fn(xs, True, causal=True, **kwargs), grads=xs[2:]) - fwd
-                        grads[every] = torch.autograd.grad(
-                            streamkl.kl(*xs, backend="triton", causal=True, **kwargs), xs[2:])
-                    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                              for a, b in zip(grads[False], grads[True]))
-                    record(kind="gluon_bwd_diagonal", case=name, ms=times[False], every_step_ms=times[True],
-                           rel_err_vs_every_step=err)
-                except Exception as exc:  # noqa: BLE001
-                    record(kind="gluon_bwd_diagonal", case=name, error=repr(exc)[:600])
-                finally:
-                    gluon_forward.USE_GLUON = None
-                    gluon_backward.MASK_EVERY_STEP = True
         # the Gluon backward's forced-only scopes against backward.py (seventh session, written after
         # its last GPU run): partial tiles, student GQA, a window, packed sequences with partial tiles
         if "bwd-forced" in parts:

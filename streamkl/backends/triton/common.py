@@ -111,39 +111,6 @@ def _partial_allowed(flags, o_i, o_j, len_q, len_k, window_left, window_right):
 
 
 @triton.jit
-def _exp2_fma(x):
-    """2^x on the FMA units instead of the exp unit (FlashAttention-4's trick for bf16 / fp16
-    kernels, whose exp unit is their bound at small head dims): x rounded to the nearest integer j
-    by the 1.5 * 2^23 shifter (two adds), 2^(x - j) on [-1/2, 1/2] by a degree-5 polynomial (a Remez
-    fit for relative error, 2.3e-7 evaluated in float32, as ex2.approx.f32's 2 ulp), and j added to
-    its exponent bits. x is clamped to >= -126 (2^-126 ~ 1e-38 stands for 0: callers only sum or
-    weigh finite arguments); NaN stays NaN."""
-    x = tl.maximum(x, -126.0, propagate_nan=tl.PropagateNan.ALL)
-    t = x + 12582912.0  # 1.5 * 2^23: the low mantissa bits of t hold round(x)
-    f = x - (t - 12582912.0)
-    p = 1.3276472e-3 * f + 9.6755410e-3
-    p = p * f + 5.5507131e-2
-    p = p * f + 2.4022120e-1
-    p = p * f + 6.9314694e-1
-    p = p * f + 1.0000001
-    # round(x) << 23 added to p's exponent: t's bits are 0x4B400000 + round(x), whose high bits
-    # shift out of the 32-bit word
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _sum_exp2(x, POLY: tl.constexpr):
-    """Row sums of 2^x [rows, cols]: POLY=False all on the exp unit; True the odd columns on the
-    FMA units (`_exp2_fma`; the even / odd split is a register split in the dot layouts)."""
-    if POLY:
-        x_even, x_odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        return tl.sum(tl.exp2(x_even), axis=1) + tl.sum(_exp2_fma(x_odd), axis=1)
-    else:
-        return tl.sum(tl.exp2(x), axis=1)
-
-
-@triton.jit
 def _dot(b_a, b_b, IEEE: tl.constexpr):
     """a @ b with float32 accumulation; full float32 (no TF32) for float32 inputs."""
     if _INTERPRET:

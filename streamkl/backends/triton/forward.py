@@ -15,10 +15,8 @@ from streamkl.backends.triton.common import (
     LN2,
     LN2_K,
     _dot,
-    _exp2_fma,
     _partial_allowed,
     _sequence_span,
-    _sum_exp2,
     broadcast_strides,
     capability,
     cdiv,
@@ -75,36 +73,18 @@ def _fwd_scores(
 
 
 @triton.jit
-def _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc, POLY: tl.constexpr):
-    """The online statistics after one full tile, scales folded (`_fwd_step`'s FOLD). POLY moves
-    part of the exponentials from the exp unit to the FMA units (`_exp2_fma`): 1 side 2's odd
-    columns (a quarter of them), 2 all of side 2's, 3 both sides' odd columns (half)."""
+def _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc):
+    """The online statistics after one full tile, scales folded (`_fwd_step`'s FOLD)."""
     b_m1_new = tl.maximum(b_m1, tl.max(b_r1, axis=1) * scale1)
     b_m2_new = tl.maximum(b_m2, tl.max(b_r2, axis=1) * scale2)
     b_t1 = b_r1 * scale1 - b_m1_new[:, None]  # one FMA each
     b_t2 = b_r2 * scale2 - b_m2_new[:, None]
+    b_e1 = tl.exp2(b_t1)
     b_alpha1 = tl.exp2(b_m1 - b_m1_new)
-    if POLY == 3:
-        rows: tl.constexpr = b_t1.shape[0]
-        cols: tl.constexpr = b_t1.shape[1] // 2
-        b_t1e, b_t1o = tl.split(tl.reshape(b_t1, [rows, cols, 2]))
-        b_t2e, b_t2o = tl.split(tl.reshape(b_t2, [rows, cols, 2]))
-        b_e1e = tl.exp2(b_t1e)
-        b_e1o = _exp2_fma(b_t1o)
-        b_sum1 = tl.sum(b_e1e, axis=1) + tl.sum(b_e1o, axis=1)
-        b_dot = tl.sum(b_e1e * (b_t1e - b_t2e), axis=1) + tl.sum(b_e1o * (b_t1o - b_t2o), axis=1)
-        b_sum2 = tl.sum(tl.exp2(b_t2e), axis=1) + tl.sum(_exp2_fma(b_t2o), axis=1)
-    else:
-        b_e1 = tl.exp2(b_t1)
-        b_sum1 = tl.sum(b_e1, axis=1)
-        b_dot = tl.sum(b_e1 * (b_t1 - b_t2), axis=1)
-        if POLY == 2:
-            b_sum2 = tl.sum(_exp2_fma(b_t2), axis=1)
-        else:
-            b_sum2 = _sum_exp2(b_t2, POLY == 1)
+    b_sum1 = tl.sum(b_e1, axis=1)
     b_l1 = b_l1 * b_alpha1 + b_sum1
-    b_acc = b_acc * b_alpha1 + (b_dot + (b_m1_new - b_m2_new) * b_sum1)
-    b_l2 = b_l2 * tl.exp2(b_m2 - b_m2_new) + b_sum2
+    b_acc = b_acc * b_alpha1 + (tl.sum(b_e1 * (b_t1 - b_t2), axis=1) + (b_m1_new - b_m2_new) * b_sum1)
+    b_l2 = b_l2 * tl.exp2(b_m2 - b_m2_new) + tl.sum(tl.exp2(b_t2), axis=1)
     return b_m1_new, b_m2_new, b_l1, b_l2, b_acc
 
 
@@ -115,7 +95,7 @@ def _fwd_step(
     b_m1, b_m2, b_l1, b_l2, b_acc, b_flags,
     K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
     BLOCK_K: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
-    USE_TMA: tl.constexpr, FOLD: tl.constexpr, POLY: tl.constexpr,
+    USE_TMA: tl.constexpr, FOLD: tl.constexpr,
 ):
     """One key tile of the online statistics. MASKED=False: a full tile (every key in range and
     allowed on both sides, every row in range): no masks, no -inf guards.
@@ -146,8 +126,7 @@ def _fwd_step(
         b_shift1 = tl.where(b_m1_new == float("-inf"), 0.0, b_m1_new)
         b_shift2 = tl.where(b_m2_new == float("-inf"), 0.0, b_m2_new)
     elif FOLD:
-        b_m1_new, b_m2_new, b_l1, b_l2, b_acc = _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc,
-                                                            POLY)
+        b_m1_new, b_m2_new, b_l1, b_l2, b_acc = _fold_stats(b_r1, b_r2, scale1, scale2, b_m1, b_m2, b_l1, b_l2, b_acc)
     else:
         b_s1 = b_r1 * scale1
         b_s2 = b_r2 * scale2
@@ -191,7 +170,7 @@ def _kl_fwd_kernel(
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
     USE_VARLEN: tl.constexpr, DENSE_KEYS: tl.constexpr, EVEN_D: tl.constexpr,
     IEEE: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
-    FOLD: tl.constexpr, POLY: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     # one flat grid axis, query tiles fastest (no 65535 limit on sequences x heads); last query
     # tiles first: under causality they visit the most key tiles (less tail at the end)
@@ -254,7 +233,7 @@ def _kl_fwd_kernel(
             stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
             b_m1, b_m2, b_l1, b_l2, b_acc, b_flags, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
             BLOCK_K=BLOCK_K, MASKED=False, EVEN_D=EVEN_D, IEEE=IEEE, USE_TMA=USE_TMA,
-            FOLD=FOLD, POLY=POLY,
+            FOLD=FOLD,
         )
     # a full tile allows every key to every row on both sides
     b_flags = b_flags | tl.where(tl.minimum(n_full, hi) > lo, 2, 0)
@@ -267,7 +246,7 @@ def _kl_fwd_kernel(
             stride_k1n, stride_k2n, m_d1, m_d2, scale1, scale2,
             b_m1, b_m2, b_l1, b_l2, b_acc, b_flags, K1_DESC, K2_DESC, desc_row, desc_col1, desc_col2,
             BLOCK_K=BLOCK_K, MASKED=True, EVEN_D=EVEN_D, IEEE=IEEE, USE_TMA=USE_TMA,
-            FOLD=FOLD, POLY=POLY,
+            FOLD=FOLD,
         )
 
     o_stat = seq64 * stride_sb + head * stride_sh + o_rows * stride_sn
@@ -323,26 +302,17 @@ def arithmetic(problem: Problem) -> dict:
     score, exact to its last bits when the two distributions nearly agree)."""
     sixteen = problem.dtype.itemsize == 2
     fold = sixteen and problem.scale1 > 0 and problem.scale2 > 0 and TUNE.get("fold", True)
-    poly = TUNE.get("poly", POLY_EXP.get(max(dim_blocks(problem)), 0)) if fold else 0
-    return dict(FOLD=bool(fold), POLY=int(poly))
-
-
-#: Exponentials moved to the FMA units in the full tiles of the folded (16-bit) forward, by head
-#: dim block (`_fold_stats`'s POLY: 1 a quarter of them, side 2's odd columns; 2 side 2's; 3 half,
-#: both sides' odd columns). At D=64 two exponentials per score against 256 matmul flops make the
-#: exp unit (16 a clock per SM, against 128 FMAs) the bound on paper. Measured slower on the H200
-#: (eighth session, `tune_h200_round15.jsonl`, N=16K bf16, Triton forward): D=64 3.57 ms without,
-#: 3.83 with 1, 4.37 with 2, 4.47 with 3 (D=128: 5.59 against 6.13 / 7.45 / 6.62). The loop is not
-#: exp-throughput bound (65 % of the exp unit's rate, 48 % of the issue rate, from its SASS): the
-#: extra instructions lengthen its dependency chains. Empty: off everywhere.
-POLY_EXP: dict = {}
+    return dict(FOLD=bool(fold))
 
 
 #: GPU tuning overrides (benchmarks/tune_h200.py): "fwd" -> (rows, warps, stages), "tma" -> bool,
-#: "fold" -> bool, "poly" -> 0-3 (`_fold_stats`). Tried and measured slower on the H200
-#: (tune_h200_round4.jsonl): the full-tile loop software-pipelined by hand (the next tile's
-#: products issued before this tile's exponentials): 1.69x SDPA with 128x128 tiles (registers
-#: spill), 1.11x with 128x64.
+#: "fold" -> bool. Tried and measured slower on the H200 (tune_h200_round4.jsonl): the full-tile
+#: loop software-pipelined by hand (the next tile's products issued before this tile's
+#: exponentials): 1.69x SDPA with 128x128 tiles (registers spill), 1.11x with 128x64. Also slower
+#: (eighth session, tune_h200_round15.jsonl; the code is in commit acc03dc): a quarter to half of
+#: the full tiles' exponentials by a degree-5 polynomial on the FMA units (FlashAttention-4's
+#: trick): D=64 3.57 -> 3.83-4.47 ms. The D=64 loop is latency bound (from its SASS: the exp unit
+#: 65 % busy, issue 48 %), not exp bound, and the extra instructions lengthen it.
 TUNE: dict = {}
 #: Keys through TMA descriptors on Hopper and newer GPUs up to this head dim. Measured on the H200
 #: (benchmarks/results/tune_h200_round2.jsonl, N=16K bf16): D=64 1.18x -> 1.07x the SDPA forward

@@ -14,13 +14,15 @@ backward; `benchmarks/results/tune_h200.md`, rounds 11-13):
   7.3 ms) and was reverted;
 - the float32 dq2 buffer in head chunks as backward.py's (`backward.atomic_head_chunks`), so the
   extra memory stays under the gradients' size: 16.1 / 7.1 ms;
-- written in the seventh session, timed in the eighth (round 14) and left off: `DQ_VEC2`, dq2
-  added by vector reductions of column pairs instead of element atomics (backward.py adds dq with
-  TMA bulk reductions, which Gluon 3.6 lacks): 16.4 / 7.5 ms; `PIPE_SCORES`, the next step's
-  score products issued before this step's exponentials (ptxas spills 160-180 B dense, 1.5 KB
-  listed): 18.0 / 8.1 ms;
-- the masks only on the steps that cross the diagonal (`MASK_EVERY_STEP` off, eighth session):
-  7.52 against 7.02 ms causal, left off;
+- written in the seventh session, timed in the eighth (round 14): `DQ_VEC2`, dq2 added by vector
+  reductions of column pairs instead of element atomics (backward.py adds dq with TMA bulk
+  reductions, which Gluon 3.6 lacks): 16.4 / 7.5 ms, left off; the next step's score products
+  issued before this step's exponentials (FA3's intra-warpgroup overlap, commit f47b587; ptxas
+  spills 160-180 B dense, 1.5 KB listed): 18.0 / 8.1 ms, correct on the H200, removed;
+- the causal / partial-tile masks only on the steps that cross the diagonal, behind a branch
+  (eighth session, commit 2952614; correct on the H200, `tune_h200_round16.jsonl`): 7.52 against
+  7.02 ms causal, tails 7.45 against 7.17 (the branch costs more than the selects it skips):
+  removed;
 - partial tiles (TAIL) and side-2 GQA (GQA2), written in the seventh session, ran in the eighth
   and are default within the causal scope: N=16320 causal 7.30 against backward.py's 7.85 ms,
   GQA 16/4 causal 7.15 against 8.02 (non-causal 16.2 against 15.8: outside the default anyway),
@@ -117,21 +119,6 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
 #: against 16.72, D=64 within 1 %; `tune_h200_round14.jsonl`). Off.
 DQ_VEC2 = False
 
-#: The next step's two score products issued (asynchronously) before this step's exponentials, so
-#: the tensor cores work during them within a warpgroup, not only across the two (FA3's
-#: intra-warpgroup overlap). Correct on the H200 (eighth session) but slower at D=128: 8.09 against
-#: 7.14 ms causal, 18.0 against 16.7 non-causal (its spills); D=64 causal 4.69 against 4.80. Off.
-PIPE_SCORES = False
-
-#: The causal and partial-tile masks applied on every query step (True, as through the seventh
-#: session) instead of only on the steps that cross the diagonal or hold rows / keys of an earlier
-#: step / tile (False: the others skip ~15 % of the loop's instructions, from the sm_90a SASS).
-#: Correct on the H200 (eighth session) but slower there (`tune_h200_round16.jsonl`, N=16K bf16):
-#: D=128 causal 7.52 against 7.02 ms, N=16320 causal 7.45 against 7.17, 16 packed sequences of
-#: 1000-4000 tokens 4.16 against 3.98 (D=64, forced: 4.69 against 4.77). The branch in the loop
-#: costs more than the selects it skips. True.
-MASK_EVERY_STEP = True
-
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
 #: end at the sequence's end) by default too: written in the seventh session, run and timed on the
 #: H200 in the eighth (N=16320 causal 7.30 against backward.py's 7.85 ms; 16 packed sequences of
@@ -223,7 +210,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC2: gl.constexpr, PIPE: gl.constexpr, MASK_ALL: gl.constexpr):
+                      VEC2: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -256,18 +243,11 @@ if GLUON_IMPORT_ERROR is None:
         p_tile = DQ2 + o_dq + (o_dq * 0 + first_tile * BLOCK_M) * stride_dqn
         dq_step = (o_dq * 0 + BLOCK_M) * stride_dqn
         mbarrier.wait(k_bar, 0)
-        if PIPE:  # the first step's products, issued ahead (with no step: read, never used)
-            mbarrier.wait(ready.index(0), 0, pred=n_tiles > 0)
-            t1 = hopper.warpgroup_mma(ka1, q1_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            t2 = hopper.warpgroup_mma(ka2, q2_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         for i in range(n_tiles):
             slot = i % STAGES
-            if not PIPE:
-                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                          is_async=True)
-                t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                          is_async=True)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
                 tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
             else:
@@ -297,14 +277,6 @@ if GLUON_IMPORT_ERROR is None:
                 lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
                 lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
             st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-            if PIPE:  # the next step's products run on the tensor cores during this step's exponentials
-                has_next = i + 1 < n_tiles  # (the last step re-reads its own slot: a product never used)
-                next_slot = slot + has_next.to(gl.int32) * ((i + 1) % STAGES - slot)
-                mbarrier.wait(ready.index(next_slot), ((i + 1) // STAGES) & 1, pred=has_next)
-                t1 = hopper.warpgroup_mma(ka1, q1_smem.index(next_slot).permute((1, 0)), zero_s, use_acc=False,
-                                          is_async=True)
-                t2 = hopper.warpgroup_mma(ka2, q2_smem.index(next_slot).permute((1, 0)), zero_s, use_acc=False,
-                                          is_async=True)
             if LISTED:
                 visit = i // 2
                 if visit < n_full_listed:
@@ -321,26 +293,16 @@ if GLUON_IMPORT_ERROR is None:
             else:
                 p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
                 q = gl.exp2(st2 * scale2 - lse2[None, :])
-                # masks only on the steps that need them (MASK_ALL: every step, as before): a causal
-                # step whose rows all see this warpgroup's last key, or a tail step with no key or
-                # row of an earlier tile / step, skips the compares and selects (~15 % of the
-                # loop's instructions)
-                diagonal = k0 + WG * HALF + HALF - 1 > tile_row0 + offset
                 if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
-                    masked = MASK_ALL or (k_fresh > k0 + WG * HALF) or (fresh_row0 > tile_row0)
+                    allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
                     if CAUSAL:
-                        masked = masked or diagonal
-                    if masked:
-                        allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
-                        if CAUSAL:
-                            allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
-                        p = gl.where(allowed, p, 0.0)
-                        q = gl.where(allowed, q, 0.0)
+                        allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
+                    p = gl.where(allowed, p, 0.0)
+                    q = gl.where(allowed, q, 0.0)
                 elif CAUSAL:
-                    if MASK_ALL or diagonal:
-                        allowed = o_j[:, None] <= (o_i + offset)[None, :]
-                        p = gl.where(allowed, p, 0.0)
-                        q = gl.where(allowed, q, 0.0)
+                    allowed = o_j[:, None] <= (o_i + offset)[None, :]
+                    p = gl.where(allowed, p, 0.0)
+                    q = gl.where(allowed, q, 0.0)
                 ds = g[None, :] * (q - p)
             ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
             # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
@@ -369,8 +331,6 @@ if GLUON_IMPORT_ERROR is None:
                 _add_dq(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, VEC2)
             if not LISTED and not TAIL and not GQA2:
                 p_tile += dq_step
-        if PIPE:  # (with no step, the products issued ahead are still in flight)
-            hopper.warpgroup_mma_wait(0, deps=[t1, t2])
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         p_dk = DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
         if TAIL:  # keys before k_fresh are the previous tile's (this one shifted back)
@@ -387,15 +347,14 @@ if GLUON_IMPORT_ERROR is None:
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                         n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr,
-                        PIPE: gl.constexpr, MASK_ALL: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE, MASK_ALL)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -422,8 +381,6 @@ if GLUON_IMPORT_ERROR is None:
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
         VEC2: gl.constexpr,  # dq2 added by vector reductions of column pairs (`DQ_VEC2`)
-        PIPE: gl.constexpr,  # the next step's score products issued before this step's exponentials
-        MASK_ALL: gl.constexpr,  # causal / tail masks on every step (`MASK_EVERY_STEP`)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -511,14 +468,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE, MASK_ALL)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, PIPE, MASK_ALL)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -574,8 +531,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
-                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC2=DQ_VEC2,
-                      PIPE=PIPE_SCORES, MASK_ALL=MASK_EVERY_STEP)
+                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC2=DQ_VEC2)
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -608,8 +564,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
-                       varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
-                       pipe: bool = False, mask_all: bool = False):
+                       varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -627,6 +582,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2, PIPE=pipe,
-                      MASK_ALL=mask_all)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
