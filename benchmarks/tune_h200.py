@@ -112,7 +112,7 @@ def main():
     parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--gluon-parts", default="fwd,bwd",
-                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2), "
+                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2, CAUSAL_SPLIT), "
                         "bwd-forced (the backward's forced-only scopes)")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
@@ -265,10 +265,10 @@ def main():
                     record(kind="gluon_bwd", d=d, causal=causal, error=repr(exc)[:600])
                 finally:
                     gluon_forward.USE_GLUON = None
-        # the Gluon backward's experimental knob (off by default): dq2 by vector reductions (DQ_VEC2)
-        # forced on, against off
+        # the Gluon backward's switches against their defaults: dq2 by vector reductions (DQ_VEC2,
+        # off by default) forced on; the causal loop split (CAUSAL_SPLIT, on) turned off
         if "bwd-knobs" in parts:
-            knobs = {"vec2": ("DQ_VEC2",)}
+            knobs = {"vec2": ("DQ_VEC2", True), "nosplit": ("CAUSAL_SPLIT", False)}
             for d in (128, 64):
                 for causal in (False, True):
                     xs = inputs(n, h, d, grads=(False, False, True, True))
@@ -277,10 +277,12 @@ def main():
                         fwd = bench(kl_fn(xs, causal=causal))
                         base = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
                         want = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal), xs[2:])
-                        for name, attrs in knobs.items():
+                        for name, (attr, value) in knobs.items():
+                            if not hasattr(gluon_backward, attr):
+                                continue
+                            default = getattr(gluon_backward, attr)
                             try:
-                                for attr in attrs:
-                                    setattr(gluon_backward, attr, True)
+                                setattr(gluon_backward, attr, value)
                                 t = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
                                 got = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal), xs[2:])
                                 err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -290,7 +292,7 @@ def main():
                             except Exception as exc:  # noqa: BLE001
                                 record(kind="gluon_bwd_knob", knob=name, d=d, causal=causal, error=repr(exc)[:600])
                             finally:
-                                gluon_backward.DQ_VEC2 = False
+                                setattr(gluon_backward, attr, default)
                     finally:
                         gluon_forward.USE_GLUON = None
         # the Gluon backward's forced-only scopes against backward.py (seventh session, written after

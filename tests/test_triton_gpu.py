@@ -895,7 +895,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
     bf16, fp16 = torch.bfloat16, torch.float16
     cases = [(128, False, 256, 384, (2, 4), bf16), (128, True, 384, 384, (4, 4), bf16),
-             (64, True, 192, 256, (1, 4), bf16), (128, True, 256, 256, (2, 4), fp16)]
+             (64, True, 192, 256, (1, 4), bf16), (128, True, 256, 256, (2, 4), fp16),
+             (128, True, 640, 1024, (4, 4), bf16)]  # (causal: steps past the diagonal, unmasked loop)
     for d, causal, n_q, n_k, heads_k, dtype in cases:
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), dtype, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
@@ -953,7 +954,13 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
         x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
     monkeypatch.setattr(gluon_backward, "DQ_VEC2", False)
-    assert len(calls) == len(cases) + 12
+    # causal as one masked loop (CAUSAL_SPLIT off; the default splits off the diagonal steps)
+    split = gluon_backward.CAUSAL_SPLIT
+    monkeypatch.setattr(gluon_backward, "CAUSAL_SPLIT", False)
+    x = make_inputs((2, 384), (2, 512), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", causal=True)
+    monkeypatch.setattr(gluon_backward, "CAUSAL_SPLIT", split)
+    assert len(calls) == len(cases) + 13
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

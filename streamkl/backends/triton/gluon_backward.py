@@ -126,6 +126,18 @@ DQ_VEC2 = False
 TAILS_BY_DEFAULT = True
 
 
+#: Causal with whole tiles (no TAIL, GQA2 or lists): each warpgroup runs the query steps that cross
+#: its keys' diagonal in a masked loop, then the others in a second copy of the loop without the
+#: masks (as the Triton forward does), instead of selecting on every step. False: one masked loop.
+CAUSAL_SPLIT = True
+
+
+def split_loop(constexprs: dict) -> bool:
+    """Whether a build with these constexprs takes the two loops (`CAUSAL_SPLIT`)."""
+    return bool(CAUSAL_SPLIT and constexprs["CAUSAL"] and not constexprs["LISTED"] and not constexprs["TAIL"]
+                and not constexprs["GQA2"])
+
+
 def tile_fit(problem: Problem) -> str | None:
     """`_tile_fit`, once per problem: the choice, the scope check and every chunk's launch ask it
     (for packed sequences it reads the host lengths with a few torch ops)."""
@@ -210,7 +222,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC2: gl.constexpr):
+                      VEC2: gl.constexpr, SPLIT: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -236,101 +248,113 @@ if GLUON_IMPORT_ERROR is None:
             kb2 = k2_smem
         dk = gl.zeros([HALF, D], gl.float32, d_layout)
         o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-        o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
+        o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout)).to(gl.int64)
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
-        # the dq2 tile's rows: a 64-bit scalar base, stepped a tile at a time, and 32-bit offsets
-        # inside the tile (fewer live registers; o_dq * 0 makes the arithmetic 64-bit)
-        p_tile = DQ2 + o_dq + (o_dq * 0 + first_tile * BLOCK_M) * stride_dqn
-        dq_step = (o_dq * 0 + BLOCK_M) * stride_dqn
         mbarrier.wait(k_bar, 0)
-        for i in range(n_tiles):
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
-                tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
+        n_diag = n_tiles  # SPLIT: steps crossing this warpgroup's diagonal (masked), then the rest
+        if SPLIT:  # step t's rows all see the last key once k_last <= (first_tile + t) * BLOCK_M + offset
+            k_last = k0 + WG * HALF + (HALF - 1)
+            n_diag = (gl.maximum(k_last - offset, 0) + BLOCK_M - 1) // BLOCK_M - first_tile
+            n_diag = gl.minimum(gl.maximum(n_diag, 0), n_tiles)
+        for phase in gl.static_range(2 if SPLIT else 1):  # (phase 1: the same body without masks)
+            if phase == 0:
+                lo = 0
+                hi = n_diag
             else:
-                t = i
-                if GQA2:  # step i: tile t of the group's query head h_in (n_per tiles a head)
-                    h_in = i // n_per
-                    t = i - h_in * n_per
-                tile_row0 = (first_tile + t) * BLOCK_M
-                if TAIL:  # a last partial step shifted back to end at the sequence's last row
-                    fresh_row0 = tile_row0  # rows before it belong to the step before
-                    tile_row0 = gl.minimum(tile_row0, len_q - BLOCK_M)
-            o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
-            # the rows' statistics loaded one element a thread, then spread to the score layout
-            # through shared memory (loaded in that layout, 16 elements a thread, they kept 3 x 16
-            # 64-bit pointers live across the loop: ptxas spilled them)
-            o_iv = (tile_row0 + gl.arange(0, BLOCK_M, layout=vec_layout)).to(gl.int64)
-            o_stat_i = o_stat
-            o_grad_i = o_grad
-            if GQA2:
-                o_stat_i = o_stat + h_in * stride_sh
-                o_grad_i = o_grad + h_in * stride_gh
-            lse1 = gl.convert_layout(gl.load(LSE1 + o_stat_i + o_iv * stride_sn), row_layout) * 1.4426950408889634
-            lse2 = gl.convert_layout(gl.load(LSE2 + o_stat_i + o_iv * stride_sn), row_layout) * 1.4426950408889634
-            g = gl.convert_layout(gl.load(GRAD + o_grad_i + o_iv * stride_gn), row_layout)
-            g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
-            if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
-                lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
-                lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-            st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-            if LISTED:
-                visit = i // 2
-                if visit < n_full_listed:
+                lo = n_diag
+                hi = n_tiles
+            for i in range(lo, hi):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
+                    tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
+                else:
+                    t = i
+                    if GQA2:  # step i: tile t of the group's query head h_in (n_per tiles a head)
+                        h_in = i // n_per
+                        t = i - h_in * n_per
+                    tile_row0 = (first_tile + t) * BLOCK_M
+                    if TAIL:  # a last partial step shifted back to end at the sequence's last row
+                        fresh_row0 = tile_row0  # rows before it belong to the step before
+                        tile_row0 = gl.minimum(tile_row0, len_q - BLOCK_M)
+                o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
+                # the rows' statistics loaded one element a thread, then spread to the score layout
+                # through shared memory (loaded in that layout, 16 elements a thread, they kept 3 x 16
+                # 64-bit pointers live across the loop: ptxas spilled them)
+                o_iv = (tile_row0 + gl.arange(0, BLOCK_M, layout=vec_layout)).to(gl.int64)
+                o_stat_i = o_stat
+                o_grad_i = o_grad
+                if GQA2:
+                    o_stat_i = o_stat + h_in * stride_sh
+                    o_grad_i = o_grad + h_in * stride_gh
+                lse1 = gl.convert_layout(gl.load(LSE1 + o_stat_i + o_iv * stride_sn), row_layout) * 1.4426950408889634
+                lse2 = gl.convert_layout(gl.load(LSE2 + o_stat_i + o_iv * stride_sn), row_layout) * 1.4426950408889634
+                g = gl.convert_layout(gl.load(GRAD + o_grad_i + o_iv * stride_gn), row_layout)
+                g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
+                if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
+                    lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
+                    lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+                st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+                if LISTED:
+                    visit = i // 2
+                    if visit < n_full_listed:
+                        p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
+                        q = gl.exp2(st2 * scale2 - lse2[None, :])
+                        ds = g[None, :] * (q - p)
+                    else:  # a partial pair: backward._tile_dscores's masks, transposed
+                        tile_flags = gl.load(flags_list + visit).to(gl.int32)
+                        a1, a2 = _listed_allowed(o_i[None, :], o_j[:, None], tile_flags, len_q, len_k,
+                                                 window_left, window_right)
+                        p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[None, :])
+                        q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[None, :])
+                        ds = gl.where(a2, g[None, :] * (q - p), 0.0)  # dS2 kept to side 2's support
+                else:
                     p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
                     q = gl.exp2(st2 * scale2 - lse2[None, :])
+                    if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
+                        allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
+                        if CAUSAL:
+                            allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
+                        p = gl.where(allowed, p, 0.0)
+                        q = gl.where(allowed, q, 0.0)
+                    elif CAUSAL and phase == 0:  # (SPLIT: phase 1's steps have every key allowed)
+                        allowed = o_j[:, None] <= (o_i + offset)[None, :]
+                        p = gl.where(allowed, p, 0.0)
+                        q = gl.where(allowed, q, 0.0)
                     ds = g[None, :] * (q - p)
-                else:  # a partial pair: backward._tile_dscores's masks, transposed
-                    tile_flags = gl.load(flags_list + visit).to(gl.int32)
-                    a1, a2 = _listed_allowed(o_i[None, :], o_j[:, None], tile_flags, len_q, len_k,
-                                             window_left, window_right)
-                    p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[None, :])
-                    q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[None, :])
-                    ds = gl.where(a2, g[None, :] * (q - p), 0.0)  # dS2 kept to side 2's support
-            else:
-                p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
-                q = gl.exp2(st2 * scale2 - lse2[None, :])
-                if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
-                    allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
-                    if CAUSAL:
-                        allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
-                    p = gl.where(allowed, p, 0.0)
-                    q = gl.where(allowed, q, 0.0)
-                elif CAUSAL:
-                    allowed = o_j[:, None] <= (o_i + offset)[None, :]
-                    p = gl.where(allowed, p, 0.0)
-                    q = gl.where(allowed, q, 0.0)
-                ds = g[None, :] * (q - p)
-            ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
-            # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
-            # halves transposed. Buffer i % 2: its previous readers (tile i - 2) are done, since the
-            # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
-            ds_all = ds_smem.index(i % 2)
-            ds_own = ds_all.slice(WG * HALF, HALF)
-            ds_own.store(ds_t)
-            hopper.fence_async_shared()
-            mbarrier.arrive(ds_bar.index(i % 2), count=1)
-            dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
-            dk = hopper.warpgroup_mma_wait(0, deps=[dk])
-            mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
-            if LISTED or TAIL or GQA2:  # steps not evenly spaced: the base from this step's first row
+                ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
+                # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
+                # halves transposed. Buffer i % 2: its previous readers (tile i - 2) are done, since the
+                # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
+                ds_all = ds_smem.index(i % 2)
+                ds_own = ds_all.slice(WG * HALF, HALF)
+                ds_own.store(ds_t)
+                hopper.fence_async_shared()
+                mbarrier.arrive(ds_bar.index(i % 2), count=1)
+                dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
+                dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
                 o_step = o_dq
                 if GQA2:
                     o_step = o_dq + h_in * stride_dqh
-                p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn
-            if D > 64:
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                _add_dq(p_tile + (o_qd[:, None] * stride_dqn + (WG * 64 + o_dq_col)[None, :]), dq * out_scale2, VEC2)
-            elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                _add_dq(p_tile + (o_qd[:, None] * stride_dqn + o_dq_col[None, :]), dq * out_scale2, VEC2)
-            if not LISTED and not TAIL and not GQA2:
-                p_tile += dq_step
+                # the dq2 tile's addresses: a 64-bit base from this step's first row, 32-bit row
+                # offsets inside the tile, then the columns added in 64 bits, which ptxas folds into
+                # immediate offsets of each thread's two row addresses (32-bit row + column offsets,
+                # as before the ninth session, were 32 values hoisted out of the loop and spilled)
+                p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
+                p_rows = p_tile + (o_qd * stride_dqn)[:, None]
+                if D > 64:
+                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
+                    dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                    _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC2)
+                elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
+                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                    dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                    _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC2)
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         p_dk = DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
         if TAIL:  # keys before k_fresh are the previous tile's (this one shifted back)
@@ -347,14 +371,15 @@ if GLUON_IMPORT_ERROR is None:
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                         n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr,
+                        SPLIT: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, SPLIT)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -381,6 +406,7 @@ if GLUON_IMPORT_ERROR is None:
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
         VEC2: gl.constexpr,  # dq2 added by vector reductions of column pairs (`DQ_VEC2`)
+        SPLIT: gl.constexpr,  # causal, whole tiles: masked diagonal steps, then a loop without masks
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -468,14 +494,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, SPLIT)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, SPLIT)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -532,6 +558,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC2=DQ_VEC2)
+    constexprs["SPLIT"] = split_loop(constexprs)
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -583,4 +610,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2)
+    constexprs["SPLIT"] = split_loop(constexprs)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
