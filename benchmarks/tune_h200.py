@@ -113,7 +113,11 @@ def main():
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--gluon-parts", default="fwd,bwd",
                         help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2, CAUSAL_SPLIT), "
+                        "bwd-combos (every combination of --bwd-combos), "
                         "bwd-forced (the backward's forced-only scopes)")
+    parser.add_argument("--bwd-combos", default="CAUSAL_SPLIT,STATS_AHEAD,DQ_VEC2|DQ_VEC4",
+                        help="gluon section, part bwd-combos: the Gluon backward's switches to combine "
+                        "(A|B: one of them or neither)")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
     args = parser.parse_args()
     out = Path(args.out)
@@ -295,6 +299,41 @@ def main():
                                 setattr(gluon_backward, attr, default)
                     finally:
                         gluon_forward.USE_GLUON = None
+        # every combination of the Gluon backward's boolean switches (--bwd-combos: attribute names),
+        # Gluon forced, at D=128 (causal and not)
+        if "bwd-combos" in parts:
+            import itertools
+
+            groups = [group.split("|") for group in args.bwd_combos.split(",")]  # "A|B": none, A or B
+            names = [name for group in groups for name in group]
+            defaults = {name: getattr(gluon_backward, name) for name in names}
+            choices = [[{group[0]: value} for value in (True, False)] if len(group) == 1 else
+                       [{name: name == pick for name in group} for pick in (None, *group)] for group in groups]
+            for causal in (True, False):
+                xs = inputs(n, h, 128, grads=(False, False, True, True))
+                gluon_forward.USE_GLUON = True
+                try:
+                    fwd = bench(kl_fn(xs, causal=causal))
+                    want = None
+                    for picks in itertools.product(*choices):
+                        setting = {name: value for pick in picks for name, value in pick.items()}
+                        try:
+                            for name, value in setting.items():
+                                setattr(gluon_backward, name, value)
+                            t = bench(kl_fn(xs, True, causal=causal), grads=xs[2:]) - fwd
+                            got = torch.autograd.grad(streamkl.kl(*xs, backend="triton", causal=causal), xs[2:])
+                            want = got if want is None else want
+                            err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                                      for a, b in zip(got, want))
+                            record(kind="gluon_bwd_combo", d=128, causal=causal, **setting, ms=t,
+                                   vs_sdpa=t / sdpa[128, causal][1], rel_err_vs_first=err)
+                        except Exception as exc:  # noqa: BLE001
+                            record(kind="gluon_bwd_combo", d=128, causal=causal, **setting, error=repr(exc)[:600])
+                        finally:
+                            for name, value in defaults.items():
+                                setattr(gluon_backward, name, value)
+                finally:
+                    gluon_forward.USE_GLUON = None
         # the Gluon backward's forced-only scopes against backward.py (seventh session, written after
         # its last GPU run): partial tiles, student GQA, a window, packed sequences with partial tiles
         if "bwd-forced" in parts:

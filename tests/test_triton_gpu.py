@@ -954,13 +954,23 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
         x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
     monkeypatch.setattr(gluon_backward, "DQ_VEC2", False)
+    # four columns a reduction, traded between lane pairs by shuffles (DQ_VEC4; ninth session)
+    monkeypatch.setattr(gluon_backward, "DQ_VEC4", True)
+    for d, causal in ((128, True), (64, False)):
+        x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
+        check_against_reference(x, "triton", causal=causal)
+    monkeypatch.setattr(gluon_backward, "DQ_VEC4", False)
     # causal as one masked loop (CAUSAL_SPLIT off; the default splits off the diagonal steps)
     split = gluon_backward.CAUSAL_SPLIT
     monkeypatch.setattr(gluon_backward, "CAUSAL_SPLIT", False)
     x = make_inputs((2, 384), (2, 512), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True)
     monkeypatch.setattr(gluon_backward, "CAUSAL_SPLIT", split)
-    assert len(calls) == len(cases) + 13
+    # each step's statistics loaded in its own step (STATS_AHEAD off)
+    monkeypatch.setattr(gluon_backward, "STATS_AHEAD", not gluon_backward.STATS_AHEAD)
+    check_against_reference(x, "triton", causal=True)
+    monkeypatch.setattr(gluon_backward, "STATS_AHEAD", not gluon_backward.STATS_AHEAD)
+    assert len(calls) == len(cases) + 16
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

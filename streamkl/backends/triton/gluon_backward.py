@@ -119,6 +119,16 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
 #: against 16.72, D=64 within 1 %; `tune_h200_round14.jsonl`). Off.
 DQ_VEC2 = False
 
+#: The dq2 additions as 16-byte vector reductions of four columns, each thread's column pairs
+#: traded between lane pairs by warp shuffles (ninth session). Precedes DQ_VEC2.
+DQ_VEC4 = False
+
+
+def dq_vec() -> int:
+    """How many float32 columns one dq2 reduction adds (`DQ_VEC4`, `DQ_VEC2`, else element atomics)."""
+    return 4 if DQ_VEC4 else 2 if DQ_VEC2 else 1
+
+
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
 #: end at the sequence's end) by default too: written in the seventh session, run and timed on the
 #: H200 in the eighth (N=16320 causal 7.30 against backward.py's 7.85 ms; 16 packed sequences of
@@ -130,6 +140,11 @@ TAILS_BY_DEFAULT = True
 #: its keys' diagonal in a masked loop, then the others in a second copy of the loop without the
 #: masks (as the Triton forward does), instead of selecting on every step. False: one masked loop.
 CAUSAL_SPLIT = True
+
+
+#: Each step's row statistics (lse1, lse2, g; three registers a thread) loaded during the step
+#: before, their global-load latency off the step's path.
+STATS_AHEAD = True
 
 
 def split_loop(constexprs: dict) -> bool:
@@ -202,16 +217,79 @@ def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> boo
 if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
-    def _add_dq(ptrs, values, VEC2: gl.constexpr):
-        """dq2 += values at ptrs (float32, fire and forget). VEC2: each thread's consecutive register
-        pairs, which the wgmma accumulator layout keeps on adjacent columns, added by one 8-byte
-        vector reduction (the pair's first address is 8-byte aligned: even columns)."""
-        if VEC2:
+    def _add_dq(ptrs, values, VEC: gl.constexpr):
+        """dq2 += values at ptrs (float32, fire and forget). VEC 1: element atomics. VEC 2: each
+        thread's consecutive register pairs, which the wgmma accumulator layout keeps on adjacent
+        columns, added by one 8-byte vector reduction (the pair's first address is 8-byte aligned:
+        even columns). VEC 4: each register quad (row r: columns c, c + 1; row r + 8: the same
+        columns, c = 2 (lane % 4) + 8 n) traded between lane pairs by two shuffles, the even lane
+        then holding row r's four columns from c, the odd one row r + 8's from c - 2, each added by
+        one 16-byte vector reduction (c a multiple of 4 on even lanes)."""
+        if VEC == 4:
+            gl.inline_asm_elementwise(
+                """{
+            .reg .pred odd;
+            .reg .b32 lane, s0, s1, r0, r1;
+            .reg .b64 addr;
+            mov.u32 lane, %laneid;
+            and.b32 lane, lane, 1;
+            setp.ne.u32 odd, lane, 0;
+            selp.b32 s0, $8, $10, odd;
+            selp.b32 s1, $9, $11, odd;
+            shfl.sync.bfly.b32 r0, s0, 1, 0x1f, 0xffffffff;
+            shfl.sync.bfly.b32 r1, s1, 1, 0x1f, 0xffffffff;
+            sub.s64 addr, $6, 8;
+            @!odd red.global.add.v4.f32 [$4], {$8, $9, r0, r1};
+            @odd red.global.add.v4.f32 [addr], {r0, r1, $10, $11};
+            mov.b32 $0, 0;
+            mov.b32 $1, 0;
+            mov.b32 $2, 0;
+            mov.b32 $3, 0;
+            }""",
+                "=r,=r,=r,=r,l,l,l,l,f,f,f,f", [ptrs.to(gl.int64, bitcast=True), values], dtype=gl.int32,
+                is_pure=False, pack=4)
+        elif VEC == 2:
             gl.inline_asm_elementwise(
                 "red.global.add.v2.f32 [$2], {$4, $5};\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;",
                 "=r,=r,l,l,f,f", [ptrs.to(gl.int64, bitcast=True), values], dtype=gl.int32, is_pure=False, pack=2)
         else:
             gl.atomic_add(ptrs, values, sem="relaxed")
+
+    @gluon.jit
+    def _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
+                   TAIL: gl.constexpr, GQA2: gl.constexpr):
+        """Step i's first query row (sequence-local), the first row it owns (TAIL: earlier ones
+        belong to the step before) and its query head within the group (GQA2)."""
+        h_in = 0
+        if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
+            tile_row0 = gl.load(index + i // 2, mask=i < n_tiles, other=0) * 128 + (i % 2) * BLOCK_M
+        else:
+            t = i
+            if GQA2:  # step i: tile t of the group's query head h_in (n_per tiles a head)
+                h_in = i // n_per
+                t = i - h_in * n_per
+            tile_row0 = (first_tile + t) * BLOCK_M
+        fresh_row0 = tile_row0
+        if TAIL:  # a last partial step shifted back to end at the sequence's last row
+            tile_row0 = gl.minimum(tile_row0, len_q - BLOCK_M)
+        return tile_row0, fresh_row0, h_in
+
+    @gluon.jit
+    def _step_stats(tile_row0, h_in, live, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn, stride_sh,
+                    stride_gh, BLOCK_M: gl.constexpr, GQA2: gl.constexpr, layout: gl.constexpr):
+        """A step's rows' statistics (lse1, lse2, g), one element a thread (`layout`); none read
+        unless `live` > 0 (steps left: a prefetch past the last step reads nothing)."""
+        o_iv = (tile_row0 + gl.arange(0, BLOCK_M, layout=layout)).to(gl.int64)
+        o_stat_i = o_stat
+        o_grad_i = o_grad
+        if GQA2:
+            o_stat_i = o_stat + h_in * stride_sh
+            o_grad_i = o_grad + h_in * stride_gh
+        mask = (gl.arange(0, BLOCK_M, layout=layout) * 0 + live) > 0
+        lse1 = gl.load(LSE1 + o_stat_i + o_iv * stride_sn, mask=mask, other=0.0)
+        lse2 = gl.load(LSE2 + o_stat_i + o_iv * stride_sn, mask=mask, other=0.0)
+        g = gl.load(GRAD + o_grad_i + o_iv * stride_gn, mask=mask, other=0.0)
+        return lse1, lse2, g
 
     @gluon.jit
     def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
@@ -222,7 +300,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC2: gl.constexpr, SPLIT: gl.constexpr):
+                      VEC: gl.constexpr, SPLIT: gl.constexpr, AHEAD: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -256,6 +334,11 @@ if GLUON_IMPORT_ERROR is None:
             k_last = k0 + WG * HALF + (HALF - 1)
             n_diag = (gl.maximum(k_last - offset, 0) + BLOCK_M - 1) // BLOCK_M - first_tile
             n_diag = gl.minimum(gl.maximum(n_diag, 0), n_tiles)
+        if AHEAD:  # the first step's statistics
+            r_next, f_next, h_next = _step_rows(0, index, first_tile, n_per, len_q, n_tiles, BLOCK_M, LISTED, TAIL,
+                                                GQA2)
+            n_lse1, n_lse2, n_g = _step_stats(r_next, h_next, n_tiles, LSE1, LSE2, GRAD, o_stat, o_grad,
+                                              stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, vec_layout)
         for phase in gl.static_range(2 if SPLIT else 1):  # (phase 1: the same body without masks)
             if phase == 0:
                 lo = 0
@@ -270,30 +353,27 @@ if GLUON_IMPORT_ERROR is None:
                                           is_async=True)
                 t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
-                if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
-                    tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
-                else:
-                    t = i
-                    if GQA2:  # step i: tile t of the group's query head h_in (n_per tiles a head)
-                        h_in = i // n_per
-                        t = i - h_in * n_per
-                    tile_row0 = (first_tile + t) * BLOCK_M
-                    if TAIL:  # a last partial step shifted back to end at the sequence's last row
-                        fresh_row0 = tile_row0  # rows before it belong to the step before
-                        tile_row0 = gl.minimum(tile_row0, len_q - BLOCK_M)
+                tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
+                                                         LISTED, TAIL, GQA2)
                 o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
                 # the rows' statistics loaded one element a thread, then spread to the score layout
                 # through shared memory (loaded in that layout, 16 elements a thread, they kept 3 x 16
-                # 64-bit pointers live across the loop: ptxas spilled them)
-                o_iv = (tile_row0 + gl.arange(0, BLOCK_M, layout=vec_layout)).to(gl.int64)
-                o_stat_i = o_stat
-                o_grad_i = o_grad
-                if GQA2:
-                    o_stat_i = o_stat + h_in * stride_sh
-                    o_grad_i = o_grad + h_in * stride_gh
-                lse1 = gl.convert_layout(gl.load(LSE1 + o_stat_i + o_iv * stride_sn), row_layout) * 1.4426950408889634
-                lse2 = gl.convert_layout(gl.load(LSE2 + o_stat_i + o_iv * stride_sn), row_layout) * 1.4426950408889634
-                g = gl.convert_layout(gl.load(GRAD + o_grad_i + o_iv * stride_gn), row_layout)
+                # 64-bit pointers live across the loop: ptxas spilled them). AHEAD: loaded a step
+                # early, so that their latency (behind the last step's dq2 reductions) is hidden
+                if AHEAD:
+                    v_lse1, v_lse2, v_g = n_lse1, n_lse2, n_g
+                    r_next, f_next, h_next = _step_rows(i + 1, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
+                                                        LISTED, TAIL, GQA2)
+                    n_lse1, n_lse2, n_g = _step_stats(r_next, h_next, n_tiles - i - 1, LSE1, LSE2, GRAD, o_stat,
+                                                      o_grad, stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M,
+                                                      GQA2, vec_layout)
+                else:
+                    v_lse1, v_lse2, v_g = _step_stats(tile_row0, h_in, 1, LSE1, LSE2, GRAD, o_stat, o_grad,
+                                                      stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2,
+                                                      vec_layout)
+                lse1 = gl.convert_layout(v_lse1, row_layout) * 1.4426950408889634
+                lse2 = gl.convert_layout(v_lse2, row_layout) * 1.4426950408889634
+                g = gl.convert_layout(v_g, row_layout)
                 g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
                 if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
                     lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
@@ -350,11 +430,11 @@ if GLUON_IMPORT_ERROR is None:
                 if D > 64:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                    _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC2)
+                    _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
                 elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                     dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                    _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC2)
+                    _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         p_dk = DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
         if TAIL:  # keys before k_fresh are the previous tile's (this one shifted back)
@@ -371,15 +451,15 @@ if GLUON_IMPORT_ERROR is None:
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                         n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC2: gl.constexpr,
-                        SPLIT: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
+                        SPLIT: gl.constexpr, AHEAD: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, SPLIT)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, SPLIT, AHEAD)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -405,8 +485,9 @@ if GLUON_IMPORT_ERROR is None:
         VARLEN: gl.constexpr,  # packed sequences (lengths known on the host: `tile_fit`)
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
-        VEC2: gl.constexpr,  # dq2 added by vector reductions of column pairs (`DQ_VEC2`)
+        VEC: gl.constexpr,  # dq2 added by element atomics (1) or vector reductions of 2 / 4 columns (`dq_vec`)
         SPLIT: gl.constexpr,  # causal, whole tiles: masked diagonal steps, then a loop without masks
+        AHEAD: gl.constexpr,  # each step's row statistics loaded during the step before (`STATS_AHEAD`)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -494,14 +575,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, SPLIT)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, SPLIT, AHEAD)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC2, SPLIT)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, SPLIT, AHEAD)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -557,8 +638,9 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
-                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC2=DQ_VEC2)
+                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec())
     constexprs["SPLIT"] = split_loop(constexprs)
+    constexprs["AHEAD"] = STATS_AHEAD
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -609,6 +691,8 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC2=vec2)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2,
+                      VEC=4 if vec2 == 4 else 2 if vec2 else 1)  # (vec2: True or 2, or 4)
     constexprs["SPLIT"] = split_loop(constexprs)
+    constexprs["AHEAD"] = STATS_AHEAD
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
