@@ -112,10 +112,10 @@ def main():
     parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--gluon-parts", default="fwd,bwd",
-                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2, CAUSAL_SPLIT), "
+                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2, STATS_DIRECT), "
                         "bwd-combos (every combination of --bwd-combos), "
                         "bwd-forced (the backward's forced-only scopes)")
-    parser.add_argument("--bwd-combos", default="CAUSAL_SPLIT,STATS_AHEAD,DQ_VEC2|DQ_VEC4",
+    parser.add_argument("--bwd-combos", default="STATS_DIRECT,DQ_VEC2",
                         help="gluon section, part bwd-combos: the Gluon backward's switches to combine "
                         "(A|B: one of them or neither)")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
@@ -270,9 +270,9 @@ def main():
                 finally:
                     gluon_forward.USE_GLUON = None
         # the Gluon backward's switches against their defaults: dq2 by vector reductions (DQ_VEC2,
-        # off by default) forced on; the causal loop split (CAUSAL_SPLIT, on) turned off
+        # off by default) forced on; the statistics loaded in the score layout (STATS_DIRECT) flipped
         if "bwd-knobs" in parts:
-            knobs = {"vec2": ("DQ_VEC2", True), "nosplit": ("CAUSAL_SPLIT", False)}
+            knobs = {"vec2": ("DQ_VEC2", True), "direct": ("STATS_DIRECT", not gluon_backward.STATS_DIRECT)}
             for d in (128, 64):
                 for causal in (False, True):
                     xs = inputs(n, h, d, grads=(False, False, True, True))
@@ -345,6 +345,8 @@ def main():
                 ("gqa 16/4", dict(n=n, hk=4), dict()),
                 ("window 1024/0", dict(n=n, hk=h), dict(window=(1024, 0))),
                 ("packed 16 x 1000-4000 causal", dict(n=None, hk=h), dict(causal=True)),
+                ("tail N=16320", dict(n=16320, hk=h), dict()),
+                ("packed 16 x 1000-4000", dict(n=None, hk=h), dict()),
             ]
             for name, shape, kwargs in forced:
                 try:

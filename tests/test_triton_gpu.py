@@ -896,7 +896,7 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
     bf16, fp16 = torch.bfloat16, torch.float16
     cases = [(128, False, 256, 384, (2, 4), bf16), (128, True, 384, 384, (4, 4), bf16),
              (64, True, 192, 256, (1, 4), bf16), (128, True, 256, 256, (2, 4), fp16),
-             (128, True, 640, 1024, (4, 4), bf16)]  # (causal: steps past the diagonal, unmasked loop)
+             (128, True, 640, 1024, (4, 4), bf16)]
     for d, causal, n_q, n_k, heads_k, dtype in cases:
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), dtype, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
@@ -954,23 +954,13 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
         x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
     monkeypatch.setattr(gluon_backward, "DQ_VEC2", False)
-    # four columns a reduction, traded between lane pairs by shuffles (DQ_VEC4; ninth session)
-    monkeypatch.setattr(gluon_backward, "DQ_VEC4", True)
-    for d, causal in ((128, True), (64, False)):
-        x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
+    # the rows' statistics one element a thread, spread through shared memory (STATS_DIRECT off)
+    monkeypatch.setattr(gluon_backward, "STATS_DIRECT", not gluon_backward.STATS_DIRECT)
+    for (n_q, n_k), causal in (((384, 512), True), ((200, 300), False)):
+        x = make_inputs((2, n_q), (2, n_k), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
-    monkeypatch.setattr(gluon_backward, "DQ_VEC4", False)
-    # causal as one masked loop (CAUSAL_SPLIT off; the default splits off the diagonal steps)
-    split = gluon_backward.CAUSAL_SPLIT
-    monkeypatch.setattr(gluon_backward, "CAUSAL_SPLIT", False)
-    x = make_inputs((2, 384), (2, 512), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
-    check_against_reference(x, "triton", causal=True)
-    monkeypatch.setattr(gluon_backward, "CAUSAL_SPLIT", split)
-    # each step's statistics loaded in its own step (STATS_AHEAD off)
-    monkeypatch.setattr(gluon_backward, "STATS_AHEAD", not gluon_backward.STATS_AHEAD)
-    check_against_reference(x, "triton", causal=True)
-    monkeypatch.setattr(gluon_backward, "STATS_AHEAD", not gluon_backward.STATS_AHEAD)
-    assert len(calls) == len(cases) + 16
+    monkeypatch.setattr(gluon_backward, "STATS_DIRECT", not gluon_backward.STATS_DIRECT)
+    assert len(calls) == len(cases) + 14
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

@@ -119,14 +119,9 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
 #: against 16.72, D=64 within 1 %; `tune_h200_round14.jsonl`). Off.
 DQ_VEC2 = False
 
-#: The dq2 additions as 16-byte vector reductions of four columns, each thread's column pairs
-#: traded between lane pairs by warp shuffles (ninth session). Precedes DQ_VEC2.
-DQ_VEC4 = False
-
-
 def dq_vec() -> int:
-    """How many float32 columns one dq2 reduction adds (`DQ_VEC4`, `DQ_VEC2`, else element atomics)."""
-    return 4 if DQ_VEC4 else 2 if DQ_VEC2 else 1
+    """How many float32 columns one dq2 reduction adds (2: `DQ_VEC2`, else element atomics)."""
+    return 2 if DQ_VEC2 else 1
 
 
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
@@ -136,21 +131,11 @@ def dq_vec() -> int:
 TAILS_BY_DEFAULT = True
 
 
-#: Causal with whole tiles (no TAIL, GQA2 or lists): each warpgroup runs the query steps that cross
-#: its keys' diagonal in a masked loop, then the others in a second copy of the loop without the
-#: masks (as the Triton forward does), instead of selecting on every step. False: one masked loop.
-CAUSAL_SPLIT = True
-
-
-#: Each step's row statistics (lse1, lse2, g; three registers a thread) loaded during the step
-#: before, their global-load latency off the step's path.
-STATS_AHEAD = True
-
-
-def split_loop(constexprs: dict) -> bool:
-    """Whether a build with these constexprs takes the two loops (`CAUSAL_SPLIT`)."""
-    return bool(CAUSAL_SPLIT and constexprs["CAUSAL"] and not constexprs["LISTED"] and not constexprs["TAIL"]
-                and not constexprs["GQA2"])
+#: The rows' statistics (lse1, lse2, g) loaded straight into the score layout's rows, 16 a
+#: thread, from a 64-bit base of the step's first row (their offsets inside the tile immediates
+#: when the row stride is 1: g is passed transposed for that), instead of one a thread then spread
+#: through shared memory (three layout conversions, each behind warpgroup barriers, a step).
+STATS_DIRECT = True
 
 
 def tile_fit(problem: Problem) -> str | None:
@@ -221,34 +206,8 @@ if GLUON_IMPORT_ERROR is None:
         """dq2 += values at ptrs (float32, fire and forget). VEC 1: element atomics. VEC 2: each
         thread's consecutive register pairs, which the wgmma accumulator layout keeps on adjacent
         columns, added by one 8-byte vector reduction (the pair's first address is 8-byte aligned:
-        even columns). VEC 4: each register quad (row r: columns c, c + 1; row r + 8: the same
-        columns, c = 2 (lane % 4) + 8 n) traded between lane pairs by two shuffles, the even lane
-        then holding row r's four columns from c, the odd one row r + 8's from c - 2, each added by
-        one 16-byte vector reduction (c a multiple of 4 on even lanes)."""
-        if VEC == 4:
-            gl.inline_asm_elementwise(
-                """{
-            .reg .pred odd;
-            .reg .b32 lane, s0, s1, r0, r1;
-            .reg .b64 addr;
-            mov.u32 lane, %laneid;
-            and.b32 lane, lane, 1;
-            setp.ne.u32 odd, lane, 0;
-            selp.b32 s0, $8, $10, odd;
-            selp.b32 s1, $9, $11, odd;
-            shfl.sync.bfly.b32 r0, s0, 1, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 r1, s1, 1, 0x1f, 0xffffffff;
-            sub.s64 addr, $6, 8;
-            @!odd red.global.add.v4.f32 [$4], {$8, $9, r0, r1};
-            @odd red.global.add.v4.f32 [addr], {r0, r1, $10, $11};
-            mov.b32 $0, 0;
-            mov.b32 $1, 0;
-            mov.b32 $2, 0;
-            mov.b32 $3, 0;
-            }""",
-                "=r,=r,=r,=r,l,l,l,l,f,f,f,f", [ptrs.to(gl.int64, bitcast=True), values], dtype=gl.int32,
-                is_pure=False, pack=4)
-        elif VEC == 2:
+        even columns)."""
+        if VEC == 2:
             gl.inline_asm_elementwise(
                 "red.global.add.v2.f32 [$2], {$4, $5};\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;",
                 "=r,=r,l,l,f,f", [ptrs.to(gl.int64, bitcast=True), values], dtype=gl.int32, is_pure=False, pack=2)
@@ -275,20 +234,22 @@ if GLUON_IMPORT_ERROR is None:
         return tile_row0, fresh_row0, h_in
 
     @gluon.jit
-    def _step_stats(tile_row0, h_in, live, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn, stride_sh,
-                    stride_gh, BLOCK_M: gl.constexpr, GQA2: gl.constexpr, layout: gl.constexpr):
-        """A step's rows' statistics (lse1, lse2, g), one element a thread (`layout`); none read
-        unless `live` > 0 (steps left: a prefetch past the last step reads nothing)."""
-        o_iv = (tile_row0 + gl.arange(0, BLOCK_M, layout=layout)).to(gl.int64)
+    def _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn, stride_sh, stride_gh,
+                    BLOCK_M: gl.constexpr, GQA2: gl.constexpr, layout: gl.constexpr):
+        """A step's rows' statistics (lse1, lse2, g) in `layout`: 64-bit bases from the step's first
+        row, then the rows' offsets (64-bit too, so that with a row stride of 1 their constant parts
+        become the loads' immediate offsets rather than a pointer each)."""
         o_stat_i = o_stat
         o_grad_i = o_grad
         if GQA2:
             o_stat_i = o_stat + h_in * stride_sh
             o_grad_i = o_grad + h_in * stride_gh
-        mask = (gl.arange(0, BLOCK_M, layout=layout) * 0 + live) > 0
-        lse1 = gl.load(LSE1 + o_stat_i + o_iv * stride_sn, mask=mask, other=0.0)
-        lse2 = gl.load(LSE2 + o_stat_i + o_iv * stride_sn, mask=mask, other=0.0)
-        g = gl.load(GRAD + o_grad_i + o_iv * stride_gn, mask=mask, other=0.0)
+        o_r = gl.arange(0, BLOCK_M, layout=layout).to(gl.int64)
+        stats = o_stat_i + (o_stat_i * 0 + tile_row0) * stride_sn
+        grads = o_grad_i + (o_grad_i * 0 + tile_row0) * stride_gn
+        lse1 = gl.load(LSE1 + stats + o_r * stride_sn)
+        lse2 = gl.load(LSE2 + stats + o_r * stride_sn)
+        g = gl.load(GRAD + grads + o_r * stride_gn)
         return lse1, lse2, g
 
     @gluon.jit
@@ -300,7 +261,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr, SPLIT: gl.constexpr, AHEAD: gl.constexpr):
+                      VEC: gl.constexpr, DIRECT: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -329,112 +290,88 @@ if GLUON_IMPORT_ERROR is None:
         o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout)).to(gl.int64)
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
         mbarrier.wait(k_bar, 0)
-        n_diag = n_tiles  # SPLIT: steps crossing this warpgroup's diagonal (masked), then the rest
-        if SPLIT:  # step t's rows all see the last key once k_last <= (first_tile + t) * BLOCK_M + offset
-            k_last = k0 + WG * HALF + (HALF - 1)
-            n_diag = (gl.maximum(k_last - offset, 0) + BLOCK_M - 1) // BLOCK_M - first_tile
-            n_diag = gl.minimum(gl.maximum(n_diag, 0), n_tiles)
-        if AHEAD:  # the first step's statistics
-            r_next, f_next, h_next = _step_rows(0, index, first_tile, n_per, len_q, n_tiles, BLOCK_M, LISTED, TAIL,
-                                                GQA2)
-            n_lse1, n_lse2, n_g = _step_stats(r_next, h_next, n_tiles, LSE1, LSE2, GRAD, o_stat, o_grad,
-                                              stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, vec_layout)
-        for phase in gl.static_range(2 if SPLIT else 1):  # (phase 1: the same body without masks)
-            if phase == 0:
-                lo = 0
-                hi = n_diag
-            else:
-                lo = n_diag
-                hi = n_tiles
-            for i in range(lo, hi):
-                slot = i % STAGES
-                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                          is_async=True)
-                t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                          is_async=True)
-                tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
-                                                         LISTED, TAIL, GQA2)
-                o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
-                # the rows' statistics loaded one element a thread, then spread to the score layout
-                # through shared memory (loaded in that layout, 16 elements a thread, they kept 3 x 16
-                # 64-bit pointers live across the loop: ptxas spilled them). AHEAD: loaded a step
-                # early, so that their latency (behind the last step's dq2 reductions) is hidden
-                if AHEAD:
-                    v_lse1, v_lse2, v_g = n_lse1, n_lse2, n_g
-                    r_next, f_next, h_next = _step_rows(i + 1, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
-                                                        LISTED, TAIL, GQA2)
-                    n_lse1, n_lse2, n_g = _step_stats(r_next, h_next, n_tiles - i - 1, LSE1, LSE2, GRAD, o_stat,
-                                                      o_grad, stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M,
-                                                      GQA2, vec_layout)
-                else:
-                    v_lse1, v_lse2, v_g = _step_stats(tile_row0, h_in, 1, LSE1, LSE2, GRAD, o_stat, o_grad,
-                                                      stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2,
-                                                      vec_layout)
-                lse1 = gl.convert_layout(v_lse1, row_layout) * 1.4426950408889634
-                lse2 = gl.convert_layout(v_lse2, row_layout) * 1.4426950408889634
+        for i in range(n_tiles):
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+            t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+            tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
+                                                     LISTED, TAIL, GQA2)
+            o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
+            if DIRECT:  # the score layout's rows straight from memory (16 a thread)
+                lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn,
+                                            stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
+            else:  # one element a thread, then spread to the score layout through shared memory
+                v_lse1, v_lse2, v_g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn,
+                                                  stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, vec_layout)
+                lse1 = gl.convert_layout(v_lse1, row_layout)
+                lse2 = gl.convert_layout(v_lse2, row_layout)
                 g = gl.convert_layout(v_g, row_layout)
-                g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
-                if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
-                    lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
-                    lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-                st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-                if LISTED:
-                    visit = i // 2
-                    if visit < n_full_listed:
-                        p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
-                        q = gl.exp2(st2 * scale2 - lse2[None, :])
-                        ds = g[None, :] * (q - p)
-                    else:  # a partial pair: backward._tile_dscores's masks, transposed
-                        tile_flags = gl.load(flags_list + visit).to(gl.int32)
-                        a1, a2 = _listed_allowed(o_i[None, :], o_j[:, None], tile_flags, len_q, len_k,
-                                                 window_left, window_right)
-                        p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[None, :])
-                        q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[None, :])
-                        ds = gl.where(a2, g[None, :] * (q - p), 0.0)  # dS2 kept to side 2's support
-                else:
+            lse1 = lse1 * 1.4426950408889634
+            lse2 = lse2 * 1.4426950408889634
+            g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
+            if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
+                lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
+                lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+            st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+            if LISTED:
+                visit = i // 2
+                if visit < n_full_listed:
                     p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
                     q = gl.exp2(st2 * scale2 - lse2[None, :])
-                    if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
-                        allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
-                        if CAUSAL:
-                            allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
-                        p = gl.where(allowed, p, 0.0)
-                        q = gl.where(allowed, q, 0.0)
-                    elif CAUSAL and phase == 0:  # (SPLIT: phase 1's steps have every key allowed)
-                        allowed = o_j[:, None] <= (o_i + offset)[None, :]
-                        p = gl.where(allowed, p, 0.0)
-                        q = gl.where(allowed, q, 0.0)
                     ds = g[None, :] * (q - p)
-                ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
-                # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
-                # halves transposed. Buffer i % 2: its previous readers (tile i - 2) are done, since the
-                # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
-                ds_all = ds_smem.index(i % 2)
-                ds_own = ds_all.slice(WG * HALF, HALF)
-                ds_own.store(ds_t)
-                hopper.fence_async_shared()
-                mbarrier.arrive(ds_bar.index(i % 2), count=1)
-                dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
-                dk = hopper.warpgroup_mma_wait(0, deps=[dk])
-                mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
-                o_step = o_dq
-                if GQA2:
-                    o_step = o_dq + h_in * stride_dqh
-                # the dq2 tile's addresses: a 64-bit base from this step's first row, 32-bit row
-                # offsets inside the tile, then the columns added in 64 bits, which ptxas folds into
-                # immediate offsets of each thread's two row addresses (32-bit row + column offsets,
-                # as before the ninth session, were 32 values hoisted out of the loop and spilled)
-                p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
-                p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-                if D > 64:
-                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                    dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                    _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
-                elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
-                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-                    dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                    _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
+                else:  # a partial pair: backward._tile_dscores's masks, transposed
+                    tile_flags = gl.load(flags_list + visit).to(gl.int32)
+                    a1, a2 = _listed_allowed(o_i[None, :], o_j[:, None], tile_flags, len_q, len_k,
+                                             window_left, window_right)
+                    p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[None, :])
+                    q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[None, :])
+                    ds = gl.where(a2, g[None, :] * (q - p), 0.0)  # dS2 kept to side 2's support
+            else:
+                p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
+                q = gl.exp2(st2 * scale2 - lse2[None, :])
+                if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
+                    allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
+                    if CAUSAL:
+                        allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
+                    p = gl.where(allowed, p, 0.0)
+                    q = gl.where(allowed, q, 0.0)
+                elif CAUSAL:
+                    allowed = o_j[:, None] <= (o_i + offset)[None, :]
+                    p = gl.where(allowed, p, 0.0)
+                    q = gl.where(allowed, q, 0.0)
+                ds = g[None, :] * (q - p)
+            ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
+            # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
+            # halves transposed. Buffer i % 2: its previous readers (tile i - 2) are done, since the
+            # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
+            ds_all = ds_smem.index(i % 2)
+            ds_own = ds_all.slice(WG * HALF, HALF)
+            ds_own.store(ds_t)
+            hopper.fence_async_shared()
+            mbarrier.arrive(ds_bar.index(i % 2), count=1)
+            dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
+            dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+            mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
+            o_step = o_dq
+            if GQA2:
+                o_step = o_dq + h_in * stride_dqh
+            # the dq2 tile's addresses: a 64-bit base from this step's first row, 32-bit row
+            # offsets inside the tile, then the columns added in 64 bits, which ptxas folds into
+            # immediate offsets of each thread's two row addresses (32-bit row + column offsets,
+            # as before the ninth session, were 32 values hoisted out of the loop and spilled)
+            p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
+            p_rows = p_tile + (o_qd * stride_dqn)[:, None]
+            if D > 64:
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
+                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
+            elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         p_dk = DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
         if TAIL:  # keys before k_fresh are the previous tile's (this one shifted back)
@@ -452,14 +389,14 @@ if GLUON_IMPORT_ERROR is None:
                         n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        SPLIT: gl.constexpr, AHEAD: gl.constexpr):
+                        DIRECT: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, SPLIT, AHEAD)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DIRECT)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -486,8 +423,7 @@ if GLUON_IMPORT_ERROR is None:
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
         VEC: gl.constexpr,  # dq2 added by element atomics (1) or vector reductions of 2 / 4 columns (`dq_vec`)
-        SPLIT: gl.constexpr,  # causal, whole tiles: masked diagonal steps, then a loop without masks
-        AHEAD: gl.constexpr,  # each step's row statistics loaded during the step before (`STATS_AHEAD`)
+        DIRECT: gl.constexpr,  # the rows' statistics loaded in the score layout (`STATS_DIRECT`)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -575,14 +511,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, SPLIT, AHEAD)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DIRECT)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, SPLIT, AHEAD)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DIRECT)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -639,8 +575,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec())
-    constexprs["SPLIT"] = split_loop(constexprs)
-    constexprs["AHEAD"] = STATS_AHEAD
+    constexprs["DIRECT"] = STATS_DIRECT
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -656,6 +591,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
+    if STATS_DIRECT:  # g head-major (a row stride of 1, as lse's): each thread's 16 rows one base apart
+        g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
     chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
     accum = torch.zeros((*q2.shape[:-2], per_chunk, q2.shape[-1]), dtype=torch.float32, device=q2.device)
@@ -687,12 +624,12 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, G_SCALE=stats, CU_Q=cu, CU_K=cu)
     examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
+    examples.update(stride_sn=1, stride_gn=1 if STATS_DIRECT else 1024)  # as launched (Triton specializes 1s)
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2,
                       VEC=4 if vec2 == 4 else 2 if vec2 else 1)  # (vec2: True or 2, or 4)
-    constexprs["SPLIT"] = split_loop(constexprs)
-    constexprs["AHEAD"] = STATS_AHEAD
+    constexprs["DIRECT"] = STATS_DIRECT
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)

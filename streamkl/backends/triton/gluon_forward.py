@@ -579,14 +579,22 @@ def compile_sm90(kernel, examples: dict, constexprs: dict):
     triton, ptxas included), from example values of its runtime arguments (CPU tensors, host
     descriptors, ints, floats) in parameter order. Returns the compiled kernel (.asm: ptx, cubin)."""
     import triton
+    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
 
-    signature = {name: mangle_type(value) for name, value in examples.items()}
+    # specialized as a launch would be: ints equal to 1 become constants, and pointers, ints and
+    # strides divisible by 16 are marked so (alignment: wider loads)
+    specs = {name: native_specialize_impl(CUDABackend, value, False, True, True) for name, value in examples.items()}
+    signature = {name: spec[0] for name, spec in specs.items()}
     signature.update({name: "constexpr" for name in constexprs})
-    positions = {(list(signature).index(name),): value for name, value in constexprs.items()}
-    source = GluonASTSource(kernel, signature, positions)
+    names = list(signature)
+    positions = {(names.index(name),): value for name, value in constexprs.items()}
+    positions.update({(names.index(name),): examples[name] for name, spec in specs.items() if spec[0] == "constexpr"})
+    attrs = {(names.index(name),): CUDABackend.parse_attr(spec[1]) for name, spec in specs.items()
+             if isinstance(spec[1], str) and spec[0] != "constexpr"}
+    source = GluonASTSource(kernel, signature, positions, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
