@@ -270,9 +270,11 @@ def main():
                 finally:
                     gluon_forward.USE_GLUON = None
         # the Gluon backward's switches against their defaults: dq2 by vector reductions (DQ_VEC2,
-        # off by default) forced on; the statistics loaded in the score layout (STATS_DIRECT) flipped
+        # by default without causality) forced on and off; the statistics loaded in the score
+        # layout (STATS_DIRECT) flipped
         if "bwd-knobs" in parts:
-            knobs = {"vec2": ("DQ_VEC2", True), "direct": ("STATS_DIRECT", not gluon_backward.STATS_DIRECT)}
+            knobs = {"vec2": ("DQ_VEC2", True), "novec2": ("DQ_VEC2", False),
+                     "direct": ("STATS_DIRECT", not gluon_backward.STATS_DIRECT)}
             for d in (128, 64):
                 for causal in (False, True):
                     xs = inputs(n, h, d, grads=(False, False, True, True))

@@ -618,7 +618,7 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert gluon_serves(problem, *x, sched(problem, 128))
     assert not gluon_serves(problem, *x, sched(problem, 64))
     # the backward: student gradients, 16-bit, side-2 GQA only where side 1's groups are multiples of
-    # its own; by default D=128 causal or masked
+    # its own; by default D=128 without a window alone (dense, causal or not, or masked)
     student = (False, False, True, True)
 
     def backward_default_and_forced(problem, x, needs=student, deterministic=False):
@@ -629,7 +629,7 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
         monkeypatch.setattr(gluon_forward, "USE_GLUON", None)
         return tuple(result)
 
-    assert backward_default_and_forced(*case()) == (False, True)  # non-causal dense: measured slower
+    assert backward_default_and_forced(*case()) == (True, True)  # non-causal dense: faster since the ninth session
     assert backward_default_and_forced(*case(causal=True)) == (True, True)
     assert backward_default_and_forced(*case(causal=True, window=(64, -1))) == (False, True)
     assert backward_default_and_forced(*case(window=(64, 64))) == (False, True)
@@ -650,11 +650,11 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
         return dataclasses.replace(built, device=torch.device("cuda", 0)), xp
 
     assert backward_default_and_forced(*packed([(128, 256), (0, 0), (64, 128)])) == (True, True)
-    assert backward_default_and_forced(*packed([(128, 256), (64, 128)], causal=False)) == (False, True)
+    assert backward_default_and_forced(*packed([(128, 256), (64, 128)], causal=False)) == (True, True)
     # partial tiles (TAIL, last tiles shifted back): default since the eighth session (measured)
     assert backward_default_and_forced(*packed([(128, 256), (100, 128)])) == (True, True)
     assert backward_default_and_forced(*packed([(128, 200)])) == (True, True)
-    assert backward_default_and_forced(*packed([(128, 200)], causal=False)) == (False, True)
+    assert backward_default_and_forced(*packed([(128, 200)], causal=False)) == (True, True)
     monkeypatch.setattr(gluon_backward, "TAILS_BY_DEFAULT", False)
     assert backward_default_and_forced(*packed([(128, 200)])) == (False, True)
     assert backward_default_and_forced(*packed([(128, 256)])) == (True, True)
@@ -677,9 +677,9 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert not gluon_backward.applies(problem, *x2, student, False)  # side-2 groups of 2, side 1's of 1
     x2 = make_inputs((2, 256), (2, 256), 4, (2, 2), (128, 128), torch.bfloat16, "cpu")
     problem = dataclasses.replace(build_problem(*x2, causal=True), device=torch.device("cuda", 0))
-    assert backward_default_and_forced(problem, x2) == (True, True)  # side-2 GQA: default (causal)
+    assert backward_default_and_forced(problem, x2) == (True, True)  # side-2 GQA: default, causal
     problem = dataclasses.replace(build_problem(*x2), device=torch.device("cuda", 0))
-    assert backward_default_and_forced(problem, x2) == (False, True)  # ... not without causality
+    assert backward_default_and_forced(problem, x2) == (True, True)  # ... and without causality
     mask = BlockMask.from_dense(torch.ones(1, 1, 2, 2, dtype=torch.bool), 128)
     problem = dataclasses.replace(build_problem(*x2, mask2=mask), device=torch.device("cuda", 0))
     assert backward_default_and_forced(problem, x2) == (False, False)  # ... without block masks
@@ -693,9 +693,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     128, dense or block-masked (measured 0.73-0.77x the SDPA forward against the Triton kernel's
     0.89x; 0.56 against 0.71 ms at 90 % block sparsity), and the Triton kernel at head dim 64
     (Gluon measured slower there), for grids the Triton kernel splits over the keys, with a window
-    alone, and when STREAMKL_GLUON=0; the Gluon student backward at head dim 128 with causality or
-    block masks (its float32 dq2 in head chunks where backward.py's would be; partial tiles and
-    side-2 GQA since the eighth session), backward.py elsewhere."""
+    alone, and when STREAMKL_GLUON=0; the Gluon student backward at head dim 128 without a window
+    alone, causal or not (non-causal since the ninth session) or with block masks (its float32 dq2
+    in head chunks where backward.py's would be; partial tiles and side-2 GQA since the eighth
+    session), backward.py elsewhere."""
     from streamkl.backends.triton import backward, gluon_backward
 
     gluon_forward = _gluon()
@@ -727,29 +728,29 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     check_against_reference(x, "triton", window=(100, 20))
     assert len(calls) == 2 and not bwd_calls  # a window alone: the Triton kernels (not measured)
     check_against_reference(x, "triton")
-    assert len(calls) == 3 and not bwd_calls  # dense non-causal: the Triton backward (measured faster)
+    assert len(calls) == 3 and len(bwd_calls) == 1  # dense non-causal: the Gluon backward (ninth session)
     check_against_reference(x, "triton", causal=True)
-    assert len(calls) == 4 and len(bwd_calls) == 1  # dense causal: the Gluon backward
+    assert len(calls) == 4 and len(bwd_calls) == 2  # dense causal: the Gluon backward
     monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", 2)
     check_against_reference(x, "triton", causal=True)  # its dq2 accumulated one head chunk at a time
-    assert len(calls) == 5 and len(bwd_calls) == 2
+    assert len(calls) == 5 and len(bwd_calls) == 3
     monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", None)
     g = torch.Generator(device=DEVICE).manual_seed(1)
     masks = [streamkl.BlockMask.from_dense(torch.rand(1, 2, 2, 2, device=DEVICE, generator=g) < 0.7, 128)
              for _ in range(2)]
     check_against_reference(x, "triton", mask1=masks[0], mask2=masks[1])
-    assert len(calls) == 6 and len(bwd_calls) == 3  # block masks: both Gluon kernels, through the lists
+    assert len(calls) == 6 and len(bwd_calls) == 4  # block masks: both Gluon kernels, through the lists
     cu = torch.tensor([0, 256, 384, 768], dtype=torch.int32, device=DEVICE)
     x = make_inputs((768,), (768,), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True, cu_seqlens=cu)
-    assert len(calls) == 7 and len(bwd_calls) == 4  # packed sequences of whole tiles, causal: Gluon both ways
+    assert len(calls) == 7 and len(bwd_calls) == 5  # packed sequences of whole tiles, causal: Gluon both ways
     x = make_inputs((1, 200), (1, 320), 4, (2, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True)
-    assert len(calls) == 8 and len(bwd_calls) == 5  # partial tiles and side-2 GQA (eighth session): Gluon
+    assert len(calls) == 8 and len(bwd_calls) == 6  # partial tiles and side-2 GQA (eighth session): Gluon
     monkeypatch.setenv("STREAMKL_GLUON", "0")
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True)
-    assert len(calls) == 8 and len(bwd_calls) == 5  # STREAMKL_GLUON=0: neither
+    assert len(calls) == 8 and len(bwd_calls) == 6  # STREAMKL_GLUON=0: neither
 
 
 @pytest.mark.parametrize(
@@ -947,20 +948,21 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
     assert len(calls) == len(cases) + 10
-    # dq2 by vector reductions of column pairs (DQ_VEC2, inline PTX): off by default (timed slower
-    # where the kernel is the default), passed on the H200 in the eighth session
-    monkeypatch.setattr(gluon_backward, "DQ_VEC2", True)
-    for d, causal in ((128, False), (64, True)):
+    # dq2 by vector reductions of column pairs (DQ_VEC2, inline PTX; passed on the H200 in the
+    # eighth session): by default (None) dense without causality (the cases above), forced here
+    vec2 = gluon_backward.DQ_VEC2
+    for value, d, causal in ((True, 128, True), (True, 64, True), (False, 128, False)):
+        monkeypatch.setattr(gluon_backward, "DQ_VEC2", value)
         x = make_inputs((2, 256), (2, 384), 4, (2, 4), (d, d), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
-    monkeypatch.setattr(gluon_backward, "DQ_VEC2", False)
+    monkeypatch.setattr(gluon_backward, "DQ_VEC2", vec2)
     # the rows' statistics one element a thread, spread through shared memory (STATS_DIRECT off)
     monkeypatch.setattr(gluon_backward, "STATS_DIRECT", not gluon_backward.STATS_DIRECT)
     for (n_q, n_k), causal in (((384, 512), True), ((200, 300), False)):
         x = make_inputs((2, n_q), (2, n_k), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
     monkeypatch.setattr(gluon_backward, "STATS_DIRECT", not gluon_backward.STATS_DIRECT)
-    assert len(calls) == len(cases) + 14
+    assert len(calls) == len(cases) + 15
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

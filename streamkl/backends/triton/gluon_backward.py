@@ -94,18 +94,20 @@ def stages(dim: int) -> int:
 
 def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
     """Whether this backward runs the Gluon kernel: where it applies, by default at head dim 128
-    with causality (no window, no block masks; partial tiles and side-2 GQA included) or with block
-    masks (measured faster than backward.py there: H200, N=16K, seventh and eighth sessions, 7.0
-    against 7.8 ms causal, 7.15 against 8.02 with GQA 16/4, 1.71 against 1.85 ms at 90 % block
-    sparsity; slower without causality or masks, 15.7 against 14.7 ms, and at head dim 64);
-    everywhere it applies when forced (`gluon_forward.setting()`)."""
+    without a window, dense (causal or not; partial tiles, packed sequences and side-2 GQA
+    included) or with block masks, where it was measured faster than backward.py (H200, N=16K,
+    ninth session, interleaved: 6.45 against 7.78 ms causal, 13.05 against 14.81 non-causal, GQA
+    16/4 6.68 / 13.54 against 7.94 / 15.71, 16 packed sequences of 1000-4000 tokens 3.60 / 6.51
+    against 4.58 / 7.96; 1.71 against 1.85 ms at 90 % block sparsity, seventh session); not with a
+    window alone (1.48 against 1.40 ms at (1024, 0)) or at head dim 64 (8.3 against 6.2 ms
+    non-causal, 4.0 against 3.9 causal). Everywhere it applies when forced
+    (`gluon_forward.setting()`)."""
     use = setting()
     if use is False:
         return False
     if use is None:
         masked = problem.mask1 is not None or problem.mask2 is not None
-        dense_causal = problem.causal and problem.window == (-1, -1) and not masked
-        if problem.dim2 != 128 or not (masked or dense_causal):
+        if problem.dim2 != 128 or not (masked or problem.window == (-1, -1)):
             return False
         if not listed(problem) and not TAILS_BY_DEFAULT and tile_fit(problem) != "whole":
             return False
@@ -114,13 +116,17 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
 
 #: The dq2 additions as vector reductions of column pairs (`red.global.add.v2.f32`: half the
 #: reduction instructions, whole 32-byte sectors per warp; by inline PTX, Gluon 3.6 having no TMA
-#: reduction) instead of element atomics. Correct on the H200 (eighth session, forced GPU test) but
-#: not faster where the kernel is the default: D=128 causal 7.47 against 7.14 ms (non-causal 16.41
-#: against 16.72, D=64 within 1 %; `tune_h200_round14.jsonl`). Off.
-DQ_VEC2 = False
+#: reduction) instead of element atomics: True, False, or None (the default): where measured faster,
+#: dense without causality (H200, ninth session, interleaved A/B: 13.05 against 13.36 ms
+#: non-causal; causal slower, 6.86 against 6.45; eighth session, before the statistics were loaded
+#: in the score layout: causal 7.47 against 7.14).
+DQ_VEC2 = None
 
-def dq_vec() -> int:
-    """How many float32 columns one dq2 reduction adds (2: `DQ_VEC2`, else element atomics)."""
+
+def dq_vec(problem: Problem) -> int:
+    """How many float32 columns one dq2 reduction adds (`DQ_VEC2`; 1: element atomics)."""
+    if DQ_VEC2 is None:
+        return 2 if not problem.causal and not listed(problem) else 1
     return 2 if DQ_VEC2 else 1
 
 
@@ -422,7 +428,7 @@ if GLUON_IMPORT_ERROR is None:
         VARLEN: gl.constexpr,  # packed sequences (lengths known on the host: `tile_fit`)
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
-        VEC: gl.constexpr,  # dq2 added by element atomics (1) or vector reductions of 2 / 4 columns (`dq_vec`)
+        VEC: gl.constexpr,  # dq2 added by element atomics (1) or vector reductions of column pairs (2)
         DIRECT: gl.constexpr,  # the rows' statistics loaded in the score layout (`STATS_DIRECT`)
     ):
         pid_bh = gl.program_id(0) // k_programs
@@ -574,7 +580,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
-                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec())
+                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem))
     constexprs["DIRECT"] = STATS_DIRECT
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
