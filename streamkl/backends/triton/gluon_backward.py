@@ -1,9 +1,10 @@
 """Hopper (sm_90) student backward in Gluon: the key-major pass of backward.py (dk2 in registers,
 dq2 added into a float32 buffer), warp-specialized like gluon_forward.py. The Triton backend's
 DEFAULT student backward on sm_90 where it was measured faster than backward.py (`chosen`): head
-dim 128, causal (no window) or with block masks; elsewhere it runs when forced
-(`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON = True`). History (H200, N=16K, D=128, student
-backward; `benchmarks/results/tune_h200.md`, rounds 11-13):
+dim 128, dense (causal or not, since the ninth session non-causal too) or with block masks, not a
+window alone; elsewhere it runs when forced (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON =
+True`). History (H200, N=16K, D=128, student backward; `benchmarks/results/tune_h200.md`, rounds
+11-20):
 - as first written (fifth session, each warpgroup adding its own [64, D] dq2 tile): correct on the
   GPU, 23.6 ms non-causal / 9.9 ms causal against backward.py's 14.8 / 7.8;
 - dq2 over all 128 keys of a tile (half the atomics; commit c0f362d): 15.6 / 6.8 ms;
@@ -27,7 +28,18 @@ backward; `benchmarks/results/tune_h200.md`, rounds 11-13):
   and are default within the causal scope: N=16320 causal 7.30 against backward.py's 7.85 ms,
   GQA 16/4 causal 7.15 against 8.02 (non-causal 16.2 against 15.8: outside the default anyway),
   16 packed sequences of 1000-4000 tokens 4.00 against 4.61; a window (1024, 0) 1.54 against
-  1.41 (windows alone stay on backward.py).
+  1.41 (windows alone stay on backward.py);
+- ninth session (rounds 17-20; interleaved A/B timings, `benchmarks/ab_gluon_bwd.py`, since a
+  kernel timed twice in one run differed by 4 %): the dq2 atomics' 32 hoisted 32-bit offsets,
+  spilled, replaced by a per-step 64-bit base, row offsets and 64-bit columns that ptxas folds into
+  immediates (6.87 against 7.05 ms causal, 15.4 against 16.4 non-causal, round 17); the rows'
+  statistics loaded straight into the score layout (`STATS_DIRECT`: no layout conversions, 5
+  instead of 9-10 warpgroup barriers a step): 6.45 against 6.82 causal; DQ_VEC2 then wins
+  non-causal (13.05 against 13.36; backward.py 14.81), made the default there. Tried and removed
+  again, within 1 % or slower when interleaved: the causal steps past the diagonal in a second
+  loop without masks (CAUSAL_SPLIT, commit 44ada98), each step's statistics loaded during the
+  step before (STATS_AHEAD, 8539394; 9 % slower non-causal), 16-byte dq2 reductions with the
+  column pairs traded between lanes by shuffles (DQ_VEC4, 8539394; 7.09 against 6.69 causal).
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -36,8 +48,8 @@ then streams the 64-row query tiles that see them (both sides) through an mbarri
 consumer warpgroups own 64 keys each and, per query tile, take the transposed scores
 s^T = k q^T of both sides (async wgmma), p^T and q^T from the saved row statistics,
 dS2^T = g (q - p)^T, then dk2 += dS2^T q2 and dq2 += dS2 k2 (dS2^T through
-shared memory, which both products read), the dq2 tile added with element atomics (Gluon 3.6 has
-no TMA reduction).
+shared memory, which both products read), the dq2 tile added with element atomics or vector
+reductions of column pairs (`DQ_VEC2`; Gluon 3.6 has no TMA reduction).
 
 Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), 16-bit
 (float16's upstream gradient rescaled by backward.rescaled_upstream), D 64 / 128 on both sides, no
