@@ -647,7 +647,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2,
-                      VEC=4 if vec2 == 4 else 2 if vec2 else 1)  # (vec2: True or 2, or 4)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1)
     constexprs["DIRECT"] = STATS_DIRECT
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
