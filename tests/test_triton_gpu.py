@@ -878,6 +878,55 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
     assert not calls
 
 
+def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
+    """The default Gluon builds of the headline shapes (forward D=128, both variants; student
+    backward D=128, causal and not) compiled for sm_90a, then through triton's own ptxas with
+    --verbose: ptxas did not serialize their wgmma (its C7514 notice: a non-wgmma instruction
+    reading an in-flight accumulator, which makes every product wait for the one before; seen in
+    the ninth session on a variant that carried in-flight products across its loop's back edge),
+    and spilled nothing (spills cost the backward 5 % before the ninth session's address fix). The
+    other builds (block masks, packed, D=64) only keep their wgmma asynchronous. Needs no GPU; the
+    launch's argument specialization is reproduced by `compile_sm90`."""
+    _gluon()
+    code = (
+        "import json, os, subprocess, tempfile, torch, triton\n"
+        "from streamkl.backends.triton import gluon_forward as f, gluon_backward as b\n"
+        "ptxas = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas')\n"
+        "bf16, fp16 = torch.bfloat16, torch.float16\n"
+        "builds = {\n"
+        "    'forward': (True, lambda: f.compile_for_hopper(bf16, 128, False)),\n"
+        "    'forward causal overlap': (True, lambda: f.compile_for_hopper(bf16, 128, True, True)),\n"
+        "    'backward causal': (True, lambda: b.compile_for_hopper(bf16, 128, True)),\n"
+        "    'backward non-causal': (True, lambda: b.compile_for_hopper(bf16, 128, False, vec2=True)),\n"
+        "    'backward listed': (False, lambda: b.compile_for_hopper(bf16, 128, True, True)),\n"
+        "    'backward D64 packed tails gqa': (False, lambda: b.compile_for_hopper(fp16, 64, False, False, True, True,"
+        " True, True)),\n"
+        "}\n"
+        "out = {}\n"
+        "with tempfile.TemporaryDirectory() as tmp:\n"
+        "    for name, (headline, build) in builds.items():\n"
+        "        path = os.path.join(tmp, 'k.ptx')\n"
+        "        open(path, 'w').write(build().asm['ptx'])\n"
+        "        done = subprocess.run([ptxas, '-arch=sm_90a', '-v', path, '-o', path + '.cubin'],\n"
+        "                              capture_output=True, text=True)\n"
+        "        text = done.stdout + done.stderr\n"
+        "        spills = [int(line.split('bytes spill stores')[0].split(',')[-1]) for line in text.splitlines()\n"
+        "                  if 'bytes spill stores' in line]\n"
+        "        out[name] = dict(headline=headline, rc=done.returncode, serialized='C7514' in text,\n"
+        "                         spills=spills, text=text[-600:])\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, result in results.items():
+        assert result["rc"] == 0 and result["spills"], (name, result["text"])
+        assert not result["serialized"], (name, result["text"])
+        if result["headline"]:
+            assert max(result["spills"]) == 0, (name, result["text"])
+
+
 @gpu
 def test_gluon_student_backward_matches_reference(monkeypatch):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
