@@ -6,7 +6,7 @@ twice in one tune_h200.py run differed by up to 4 %; ninth session). Prints one 
 variant: the median over rounds, the spread (max - min of the rounds' medians) and the gradients'
 relative error against the first variant.
 
-    python benchmarks/ab_gluon_bwd.py --causal --variants '[{}, {"STATS_DIRECT": false}, {"gluon": false}]'
+    python benchmarks/ab_gluon_bwd.py --causal --variants '[{}, {"DQ_VEC2": true}, {"gluon": false}]'
 """
 
 from __future__ import annotations

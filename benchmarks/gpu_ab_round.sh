@@ -15,8 +15,8 @@ if [ "${NCU_SECONDS:-120}" != 0 ]; then
     > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?"; grep -E "Duration|Issue Slots|No Eligible|Warp Cycles Per Issued|Stall|Compute \(SM\) Thr|Memory Thr|L2 Hit" "$OUT/ncu.txt" | head -30
 fi
-CAUSAL_VARIANTS=${CAUSAL_VARIANTS:-'[{}, {"STATS_DIRECT": false}, {"DQ_VEC2": true}, {"gluon": false}]'}
-PLAIN_VARIANTS=${PLAIN_VARIANTS:-'[{}, {"STATS_DIRECT": false}, {"DQ_VEC2": true}, {"gluon": false}]'}
+CAUSAL_VARIANTS=${CAUSAL_VARIANTS:-'[{}, {"DQ_VEC2": true}, {"gluon": false}]'}
+PLAIN_VARIANTS=${PLAIN_VARIANTS:-'[{}, {"DQ_VEC2": false}, {"gluon": false}]'}
 timeout "${AB_SECONDS:-150}" python benchmarks/ab_gluon_bwd.py --causal --rounds "${ROUNDS:-7}" \
   --variants "$CAUSAL_VARIANTS" --out "$OUT/ab.jsonl" 2>&1 | cut -c1-220
 timeout "${AB_SECONDS:-150}" python benchmarks/ab_gluon_bwd.py --rounds "${ROUNDS:-7}" \

@@ -112,10 +112,10 @@ def main():
     parser.add_argument("--det-all", action="store_true", help="time every bwd config deterministic too")
     parser.add_argument("--bwd-dims", default="128,64", help="head dims of the bwd section")
     parser.add_argument("--gluon-parts", default="fwd,bwd",
-                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2, STATS_DIRECT), "
+                        help="parts of the gluon section: fwd, bwd, bwd-knobs (the backward's DQ_VEC2), "
                         "bwd-combos (every combination of --bwd-combos), "
                         "bwd-forced (the backward's forced-only scopes)")
-    parser.add_argument("--bwd-combos", default="STATS_DIRECT,DQ_VEC2",
+    parser.add_argument("--bwd-combos", default="DQ_VEC2",
                         help="gluon section, part bwd-combos: the Gluon backward's switches to combine "
                         "(A|B: one of them or neither)")
     parser.add_argument("--chunk-ns", default="2048,4096,8192,16384", help="lengths of the 'chunks' section")
@@ -269,12 +269,10 @@ def main():
                     record(kind="gluon_bwd", d=d, causal=causal, error=repr(exc)[:600])
                 finally:
                     gluon_forward.USE_GLUON = None
-        # the Gluon backward's switches against their defaults: dq2 by vector reductions (DQ_VEC2,
-        # by default without causality) forced on and off; the statistics loaded in the score
-        # layout (STATS_DIRECT) flipped
+        # the Gluon backward's switch against its default: dq2 by vector reductions (DQ_VEC2, by
+        # default without causality) forced on and off
         if "bwd-knobs" in parts:
-            knobs = {"vec2": ("DQ_VEC2", True), "novec2": ("DQ_VEC2", False),
-                     "direct": ("STATS_DIRECT", not gluon_backward.STATS_DIRECT)}
+            knobs = {"vec2": ("DQ_VEC2", True), "novec2": ("DQ_VEC2", False)}
             for d in (128, 64):
                 for causal in (False, True):
                     xs = inputs(n, h, d, grads=(False, False, True, True))

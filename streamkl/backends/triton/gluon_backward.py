@@ -33,8 +33,9 @@ True`). History (H200, N=16K, D=128, student backward; `benchmarks/results/tune_
   kernel timed twice in one run differed by 4 %): the dq2 atomics' 32 hoisted 32-bit offsets,
   spilled, replaced by a per-step 64-bit base, row offsets and 64-bit columns that ptxas folds into
   immediates (6.87 against 7.05 ms causal, 15.4 against 16.4 non-causal, round 17); the rows'
-  statistics loaded straight into the score layout (`STATS_DIRECT`: no layout conversions, 5
-  instead of 9-10 warpgroup barriers a step): 6.45 against 6.82 causal; DQ_VEC2 then wins
+  statistics loaded straight into the score layout (no layout conversions, 5 instead of 9-10
+  warpgroup barriers a step; first a switch, STATS_DIRECT, removed once measured): 6.45 against
+  6.82 causal; DQ_VEC2 then wins
   non-causal (13.05 against 13.36; backward.py 14.81), made the default there. Tried and removed
   again, within 1 % or slower when interleaved: the causal steps past the diagonal in a second
   loop without masks (CAUSAL_SPLIT, commit 44ada98), each step's statistics loaded during the
@@ -147,13 +148,6 @@ def dq_vec(problem: Problem) -> int:
 #: H200 in the eighth (N=16320 causal 7.30 against backward.py's 7.85 ms; 16 packed sequences of
 #: 1000-4000 tokens, causal, 4.00 against 4.61 ms). False keeps them on backward.py.
 TAILS_BY_DEFAULT = True
-
-
-#: The rows' statistics (lse1, lse2, g) loaded straight into the score layout's rows, 16 a
-#: thread, from a 64-bit base of the step's first row (their offsets inside the tile immediates
-#: when the row stride is 1: g is passed transposed for that), instead of one a thread then spread
-#: through shared memory (three layout conversions, each behind warpgroup barriers, a step).
-STATS_DIRECT = True
 
 
 def tile_fit(problem: Problem) -> str | None:
@@ -279,7 +273,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr, DIRECT: gl.constexpr):
+                      VEC: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -291,7 +285,6 @@ if GLUON_IMPORT_ERROR is None:
                                                            instr_shape=[16, D, 16])  # [keys or rows, D]
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one row a thread
         o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
         ka1 = k1_smem.slice(WG * HALF, HALF)
         ka2 = k2_smem.slice(WG * HALF, HALF)
@@ -318,15 +311,10 @@ if GLUON_IMPORT_ERROR is None:
             tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
                                                      LISTED, TAIL, GQA2)
             o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
-            if DIRECT:  # the score layout's rows straight from memory (16 a thread)
-                lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn,
-                                            stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
-            else:  # one element a thread, then spread to the score layout through shared memory
-                v_lse1, v_lse2, v_g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn,
-                                                  stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, vec_layout)
-                lse1 = gl.convert_layout(v_lse1, row_layout)
-                lse2 = gl.convert_layout(v_lse2, row_layout)
-                g = gl.convert_layout(v_g, row_layout)
+            # the rows' statistics straight into the score layout (16 rows a thread from one 64-bit
+            # base; before the ninth session one a thread, spread by three layout conversions)
+            lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
+                                        stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
             lse1 = lse1 * 1.4426950408889634
             lse2 = lse2 * 1.4426950408889634
             g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
@@ -406,15 +394,14 @@ if GLUON_IMPORT_ERROR is None:
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                         n_per, stride_sh, stride_gh, stride_dqh,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DIRECT: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DIRECT)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -441,7 +428,6 @@ if GLUON_IMPORT_ERROR is None:
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
         VEC: gl.constexpr,  # dq2 added by element atomics (1) or vector reductions of column pairs (2)
-        DIRECT: gl.constexpr,  # the rows' statistics loaded in the score layout (`STATS_DIRECT`)
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -529,14 +515,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DIRECT)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DIRECT)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -593,7 +579,6 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem))
-    constexprs["DIRECT"] = STATS_DIRECT
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -609,8 +594,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
-    if STATS_DIRECT:  # g head-major (a row stride of 1, as lse's): each thread's 16 rows one base apart
-        g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
+    # g head-major (a row stride of 1, as lse's): each thread's 16 rows are one base's immediate offsets
+    g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
     chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
     accum = torch.zeros((*q2.shape[:-2], per_chunk, q2.shape[-1]), dtype=torch.float32, device=q2.device)
@@ -642,11 +627,10 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, G_SCALE=stats, CU_Q=cu, CU_K=cu)
     examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
-    examples.update(stride_sn=1, stride_gn=1 if STATS_DIRECT else 1024)  # as launched (Triton specializes 1s)
+    examples.update(stride_sn=1, stride_gn=1)  # as launched (Triton specializes 1s)
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1)
-    constexprs["DIRECT"] = STATS_DIRECT
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
