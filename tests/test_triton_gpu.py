@@ -898,6 +898,8 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         "    'forward causal overlap': (True, lambda: f.compile_for_hopper(bf16, 128, True, True)),\n"
         "    'backward causal': (True, lambda: b.compile_for_hopper(bf16, 128, True)),\n"
         "    'backward non-causal': (True, lambda: b.compile_for_hopper(bf16, 128, False, vec2=True)),\n"
+        "    'backward causal, dq2 by TMA reductions': (True, lambda: b.compile_for_hopper(bf16, 128, True,"
+        " tma_dq=True)),\n"
         "    'backward listed': (False, lambda: b.compile_for_hopper(bf16, 128, True, True)),\n"
         "    'backward D64 packed tails gqa': (False, lambda: b.compile_for_hopper(fp16, 64, False, False, True, True,"
         " True, True)),\n"
@@ -928,7 +930,8 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-def test_gluon_student_backward_matches_reference(monkeypatch):
+@pytest.mark.parametrize("tma", [False, True], ids=["atomics", "tma"])
+def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
     forward; problems outside its scope (teacher gradients, deterministic) keep backward.py. Dense
@@ -940,6 +943,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    # dq2 by element atomics / vector reductions, or by TMA bulk reductions (DQ_TMA, tenth session)
+    monkeypatch.setattr(gluon_backward, "DQ_TMA", tma)
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))

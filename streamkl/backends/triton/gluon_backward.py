@@ -92,7 +92,8 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_N = 128  # keys a program: two consumer warpgroups of 64
 BLOCK_M = 64  # query rows a step
@@ -141,6 +142,18 @@ def dq_vec(problem: Problem) -> int:
     if DQ_VEC2 is None:
         return 2 if not problem.causal and not listed(problem) else 1
     return 2 if DQ_VEC2 else 1
+
+
+#: The dq2 tiles added by TMA bulk reductions (`cp.reduce.async.bulk.tensor ... add`: each
+#: warpgroup stores its [64, 64] float32 piece to shared memory and one thread hands it to the TMA
+#: unit, as FlashAttention-3 and backward.py do) instead of per-thread atomics. Gluon 3.6 has no
+#: wrapper for it; `_tma_reduce_add` builds the op itself. Off by default until measured.
+DQ_TMA = False
+
+
+def dq_tma(problem: Problem) -> bool:
+    """Whether the dq2 tiles go through TMA bulk reductions (`DQ_TMA`)."""
+    return bool(DQ_TMA)
 
 
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
@@ -212,6 +225,16 @@ def applies(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> boo
 
 
 if GLUON_IMPORT_ERROR is None:
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """global[coord ...] += src (a shared-memory tile in the descriptor's layout), by one TMA
+        bulk reduction (asynchronous: `tma.store_wait` before src is written again)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 
     @gluon.jit
     def _add_dq(ptrs, values, VEC: gl.constexpr):
@@ -225,6 +248,15 @@ if GLUON_IMPORT_ERROR is None:
                 "=r,=r,l,l,f,f", [ptrs.to(gl.int64, bitcast=True), values], dtype=gl.int32, is_pure=False, pack=2)
         else:
             gl.atomic_add(ptrs, values, sem="relaxed")
+
+    @gluon.jit
+    def _reduce_dq(dq_desc, dq_smem, values, row, col):
+        """dq2[row:row + 64, col:col + 64] += values through this warpgroup's float32 shared tile:
+        the previous reduction must have read it first (`store_wait`, a step later: long done)."""
+        tma.store_wait(0)
+        dq_smem.store(values)
+        hopper.fence_async_shared()
+        _tma_reduce_add(dq_desc, [row, col], dq_smem)
 
     @gluon.jit
     def _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
@@ -270,10 +302,10 @@ if GLUON_IMPORT_ERROR is None:
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh,
+                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr):
+                      VEC: gl.constexpr, DQ_TMA: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -373,11 +405,19 @@ if GLUON_IMPORT_ERROR is None:
             if D > 64:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
+                if DQ_TMA:  # this warpgroup's [64, 64] piece by one TMA bulk reduction
+                    _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D + WG * 64)
+                else:
+                    _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
             elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
+                if DQ_TMA:
+                    _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
+                else:
+                    _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
+        if DQ_TMA:  # the last reduction has read its shared tile before the program's memory goes
+            tma.store_wait(0)
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
         p_dk = DK2 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
         if TAIL:  # keys before k_fresh are the previous tile's (this one shifted back)
@@ -392,21 +432,23 @@ if GLUON_IMPORT_ERROR is None:
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                        n_per, stride_sh, stride_gh, stride_dqh,
+                        n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
+                        DQ_TMA: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC)
+                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
         LSE1, LSE2, GRAD, DQ2, DK2,
+        dq_desc,  # DQ_TMA: the float32 dq2 buffer as 2-D [B * N, heads * D], [64, 64] boxes; else unused
         G_SCALE,  # NORM_G (float16): what GRAD was divided by
         CU_Q, CU_K,  # VARLEN: cu_seqlens (int32); else unused
         Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,  # LISTED: the key-major schedule (128 x 128 tiles); else unused
@@ -428,6 +470,8 @@ if GLUON_IMPORT_ERROR is None:
         TAIL: gl.constexpr,  # some length not a whole number of tiles: last tiles shifted back
         GQA2: gl.constexpr,  # side-2 GQA: a program per key head, its group's query heads in turn
         VEC: gl.constexpr,  # dq2 added by element atomics (1) or vector reductions of column pairs (2)
+        DQ_TMA: gl.constexpr,  # dq2 added by TMA bulk reductions of [64, 64] tiles (VEC unused)
+        DQ_LAYOUT: gl.constexpr,  # DQ_TMA: dq_desc's shared layout
     ):
         pid_bh = gl.program_id(0) // k_programs
         pid_k = gl.program_id(0) - pid_bh * k_programs
@@ -488,6 +532,13 @@ if GLUON_IMPORT_ERROR is None:
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
         ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)  # two buffers
+        if DQ_TMA:  # each consumer warpgroup's float32 dq2 tile on its way to the TMA unit
+            dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 64], DQ_LAYOUT)
+            dq_smem0 = dq_all.index(0)
+            dq_smem1 = dq_all.index(1)
+        else:
+            dq_smem0 = ds_smem
+            dq_smem1 = ds_smem
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -507,6 +558,7 @@ if GLUON_IMPORT_ERROR is None:
         o_dk = seq64 * stride_dkb + head2 * stride_dkh + key_base * stride_dkn
         q_row = start_q
         k_row = start_k + k0
+        dq_col = (head - head_lo) * D  # DQ_TMA: the head's first column in the chunk's accumulator
         gl.warp_specialize(
             [
                 (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
@@ -514,15 +566,15 @@ if GLUON_IMPORT_ERROR is None:
                                  stride_sn, stride_gn, stride_dqn, stride_dkn,
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                 k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC)),
+                                 k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                   k_fresh, n_per, stride_sh, stride_gh, stride_dqh,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC)),
+                                   k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -532,6 +584,18 @@ if GLUON_IMPORT_ERROR is None:
             [4, 1],
             [232, 40],
         )
+
+
+def dq_layout():
+    """The shared layout of a [64, 64] float32 dq2 tile (DQ_TMA)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.float32)
+
+
+def dq_descriptor(accum: torch.Tensor):
+    """The float32 dq2 accumulator [..., heads, D] as a 2-D [tokens, heads * D] TMA target in
+    [64, 64] boxes (DQ_TMA)."""
+    flat = accum.view(-1, accum.shape[-2] * accum.shape[-1])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK_M, 64], dq_layout())
 
 
 def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None, g_scale=None,
@@ -566,9 +630,11 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         window = window_bounds(problem)
     else:
         lists, list_strides, window = (lse1,) * 4, (0,) * 6, (-1, -1)
+    descs = [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
+    use_tma = dq_tma(problem)
     args = (
-        *(flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))),
-        lse1, lse2, grad_rows, dq2, dk2, lse1 if g_scale is None else g_scale, cu_q, cu_k, *lists,
+        *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2) if use_tma else descs[0],
+        lse1 if g_scale is None else g_scale, cu_q, cu_k, *lists,
         *stat_strides(lse1, varlen), *row_strides(grad_rows, varlen), *row_strides(dq2, varlen),
         *row_strides(dk2, varlen),
         *list_strides, *window,
@@ -578,7 +644,8 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
-                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem))
+                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout())
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -613,8 +680,11 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
-                       varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False):
-    """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration."""
+                       varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
+                       tma_dq: bool | None = None):
+    """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
+    (`tma_dq`: dq2 by TMA reductions; None: as `DQ_TMA`)."""
+    tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
     stats = torch.empty(4, dtype=torch.float32)
@@ -624,7 +694,9 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     list_names = ("stride_cs", "stride_ch", "stride_ct", "stride_is", "stride_ih", "stride_it", "window_left",
                   "window_right")
     examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
-    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, G_SCALE=stats, CU_Q=cu, CU_K=cu)
+    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t,
+                    dq_desc=dq_descriptor(torch.empty(2, BLOCK_N, 4, dim)) if tma_dq else descs[0],
+                    G_SCALE=stats, CU_Q=cu, CU_K=cu)
     examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
     examples.update(stride_sn=1, stride_gn=1)  # as launched (Triton specializes 1s)
@@ -632,5 +704,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
-                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1)
+                      NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
+                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout())
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
