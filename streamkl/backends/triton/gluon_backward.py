@@ -145,10 +145,22 @@ def dq_vec(problem: Problem) -> int:
 
 
 #: The dq2 tiles added by TMA bulk reductions (`cp.reduce.async.bulk.tensor ... add`: each
-#: warpgroup stores its [64, 64] float32 piece to shared memory and one thread hands it to the TMA
-#: unit, as FlashAttention-3 and backward.py do) instead of per-thread atomics. Gluon 3.6 has no
-#: wrapper for it; `_tma_reduce_add` builds the op itself. Off by default until measured.
-DQ_TMA = False
+#: warpgroup stores its [64, 64] float32 piece to shared memory, two of its warps hand the halves
+#: to the TMA unit, as FlashAttention-3 and backward.py do) instead of per-thread atomics (False:
+#: element atomics or `DQ_VEC2`'s vector reductions). Gluon 3.6 has no wrapper for it;
+#: `_tma_reduce_add` builds the op through the Gluon builder. The default since the tenth session
+#: (H200, N=16K, D=128, interleaved A/B: 5.48 against 6.47 ms causal, 10.73 against 13.12
+#: non-causal; D=64 3.82 / 7.18 against 4.02 / 8.34).
+DQ_TMA = True
+
+#: Experimental (tenth session, A/B): dk2's product left in flight while dq2's is issued, one wait
+#: for both (at D=128; first tried in the fifth session with atomics: slower).
+DK_DQ_TOGETHER = False
+
+#: Experimental (tenth session, A/B): programs ordered key tile first, heads second, so that with
+#: causality the longest programs (the first key tiles) of every head start first (longest
+#: processing time first; head-major, as before, starts the last heads' long programs late).
+KEY_MAJOR_GRID = False
 
 
 def dq_tma(problem: Problem) -> bool:
@@ -305,7 +317,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr, DQ_TMA: gl.constexpr):
+                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, TOGETHER: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -391,8 +403,9 @@ if GLUON_IMPORT_ERROR is None:
             hopper.fence_async_shared()
             mbarrier.arrive(ds_bar.index(i % 2), count=1)
             dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
-            dk = hopper.warpgroup_mma_wait(0, deps=[dk])
-            mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
+            if not TOGETHER:
+                dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
             o_step = o_dq
             if GQA2:
                 o_step = o_dq + h_in * stride_dqh
@@ -402,7 +415,16 @@ if GLUON_IMPORT_ERROR is None:
             # as before the ninth session, were 32 values hoisted out of the loop and spilled)
             p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
             p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-            if D > 64:
+            if TOGETHER:  # (D > 64) dq2's product issued behind dk2's, one wait for both
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
+                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False, is_async=True)
+                dk, dq = hopper.warpgroup_mma_wait(0, deps=[dk, dq])
+                mbarrier.arrive(empty.index(slot), count=1)
+                if DQ_TMA:
+                    _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D + WG * 64)
+                else:
+                    _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
+            elif D > 64:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
                 if DQ_TMA:  # this warpgroup's [64, 64] piece by one TMA bulk reduction
@@ -435,14 +457,14 @@ if GLUON_IMPORT_ERROR is None:
                         n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr):
+                        DQ_TMA: gl.constexpr, TOGETHER: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -472,9 +494,16 @@ if GLUON_IMPORT_ERROR is None:
         VEC: gl.constexpr,  # dq2 added by element atomics (1) or vector reductions of column pairs (2)
         DQ_TMA: gl.constexpr,  # dq2 added by TMA bulk reductions of [64, 64] tiles (VEC unused)
         DQ_LAYOUT: gl.constexpr,  # DQ_TMA: dq_desc's shared layout
+        TOGETHER: gl.constexpr,  # D=128: dk2's and dq2's products in flight together (DK_DQ_TOGETHER)
+        KEY_MAJOR: gl.constexpr,  # programs ordered key tile first (KEY_MAJOR_GRID)
     ):
-        pid_bh = gl.program_id(0) // k_programs
-        pid_k = gl.program_id(0) - pid_bh * k_programs
+        if KEY_MAJOR:
+            n_bh = gl.num_programs(0) // k_programs
+            pid_k = gl.program_id(0) // n_bh
+            pid_bh = gl.program_id(0) - pid_k * n_bh
+        else:
+            pid_bh = gl.program_id(0) // k_programs
+            pid_k = gl.program_id(0) - pid_bh * k_programs
         if NORM_G:  # the products are linear in g: the factor comes back with the softmax scale
             out_scale2 = out_scale2 * gl.load(G_SCALE)
         seq = pid_bh // heads
@@ -567,14 +596,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)),
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)),
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -645,7 +674,8 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
-                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout())
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), TOGETHER=bool(DK_DQ_TOGETHER) and problem.dim2 > 64,
+                      KEY_MAJOR=bool(KEY_MAJOR_GRID))
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -705,5 +735,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
-                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout())
+                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), TOGETHER=bool(DK_DQ_TOGETHER) and dim > 64,
+                      KEY_MAJOR=bool(KEY_MAJOR_GRID))
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
