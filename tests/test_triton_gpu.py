@@ -778,7 +778,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
-        call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True, True, True)"
+        call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True, True, True, tma_dq=False)"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
     elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
@@ -801,6 +801,9 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
+    elif overlap in (None, "backward-listed"):  # dq2 by TMA bulk reductions (DQ_TMA, the default)
+        assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
+        assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
 
 
 @gpu
