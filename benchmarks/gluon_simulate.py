@@ -260,6 +260,7 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     g, g_scale = rescaled_upstream(problem, upstream, saved1)  # float16: rescaled to a peak of 64
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
     vec2, gluon_backward.DQ_VEC2 = gluon_backward.DQ_VEC2, False  # (inline PTX: not simulated)
+    tma_dq, gluon_backward.DQ_TMA = gluon_backward.DQ_TMA, False  # (TMA reductions: not simulated)
     start = time.time()
     for lo in range(0, heads, per_chunk):
         accum.zero_()
@@ -270,6 +271,7 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
         kernel[grid](*args, **constexprs, num_warps=4)
         dq2[..., lo:lo + per_chunk, :] = accum
     gluon_backward.DQ_VEC2 = vec2
+    gluon_backward.DQ_TMA = tma_dq
 
     def err(a, e):
         return ((a.double() - e).norm() / e.norm()).item()

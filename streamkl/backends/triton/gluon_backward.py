@@ -153,6 +153,11 @@ def dq_vec(problem: Problem) -> int:
 #: non-causal; D=64 3.82 / 7.18 against 4.02 / 8.34).
 DQ_TMA = True
 
+#: Experimental (tenth session, A/B): the rows' statistics (lse1, lse2, g) of each step loaded by a
+#: warp of their own into a shared ring next to the query tiles' (arriving on the same `ready`
+#: barrier), so the consumers read them from shared memory instead of waiting on global loads.
+STATS_SMEM = False
+
 #: Experimental (tenth session, A/B): dk2's product left in flight while dq2's is issued, one wait
 #: for both (at D=128; first tried in the fifth session with atomics: slower).
 DK_DQ_TOGETHER = False
@@ -309,15 +314,37 @@ if GLUON_IMPORT_ERROR is None:
         return lse1, lse2, g
 
     @gluon.jit
+    def _stats_loader(stats_smem, ready, empty, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn, stride_sh,
+                      stride_gh, index, first_tile, n_per, len_q, n_tiles, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
+        """STATS_SMEM: one warp ahead of the consumers, step i's rows' lse1, lse2 and g into slot
+        i % STAGES of a shared ring, released with the query tiles' slot (`empty`), announced by a
+        second arrival on the slot's `ready` barrier (release semantics: the stores are seen by
+        whoever waits on it)."""
+        layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        for i in range(n_tiles):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
+                                                     LISTED, TAIL, GQA2)
+            lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
+                                        stride_sh, stride_gh, BLOCK_M, GQA2, layout)
+            stats_smem[0].index(slot).store(lse1)
+            stats_smem[1].index(slot).store(lse2)
+            stats_smem[2].index(slot).store(g)
+            mbarrier.arrive(ready.index(slot), count=1)
+
+    @gluon.jit
     def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
+                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, stats_smem,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, TOGETHER: gl.constexpr):
+                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, TOGETHER: gl.constexpr,
+                      STATS_SMEM: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
@@ -357,8 +384,13 @@ if GLUON_IMPORT_ERROR is None:
             o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
             # the rows' statistics straight into the score layout (16 rows a thread from one 64-bit
             # base; before the ninth session one a thread, spread by three layout conversions)
-            lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
-                                        stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
+            if STATS_SMEM:  # loaded by the statistics warp (`_stats_loader`), landed with the slot
+                lse1 = stats_smem[0].index(slot).load(row_layout)
+                lse2 = stats_smem[1].index(slot).load(row_layout)
+                g = stats_smem[2].index(slot).load(row_layout)
+            else:
+                lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn,
+                                            stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
             lse1 = lse1 * 1.4426950408889634
             lse2 = lse2 * 1.4426950408889634
             g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
@@ -454,17 +486,17 @@ if GLUON_IMPORT_ERROR is None:
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                        n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
+                        n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, stats_smem,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr, TOGETHER: gl.constexpr):
+                        DQ_TMA: gl.constexpr, TOGETHER: gl.constexpr, STATS_SMEM: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER)
+                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, stats_smem,
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER, STATS_SMEM)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -496,6 +528,7 @@ if GLUON_IMPORT_ERROR is None:
         DQ_LAYOUT: gl.constexpr,  # DQ_TMA: dq_desc's shared layout
         TOGETHER: gl.constexpr,  # D=128: dk2's and dq2's products in flight together (DK_DQ_TOGETHER)
         KEY_MAJOR: gl.constexpr,  # programs ordered key tile first (KEY_MAJOR_GRID)
+        STATS_SMEM: gl.constexpr,  # the rows' statistics staged in shared memory by a warp of their own
     ):
         if KEY_MAJOR:
             n_bh = gl.num_programs(0) // k_programs
@@ -568,6 +601,14 @@ if GLUON_IMPORT_ERROR is None:
         else:
             dq_smem0 = ds_smem
             dq_smem1 = ds_smem
+        if STATS_SMEM:  # lse1, lse2, g of each slot's 64 rows (three rings: shapes past the first
+            # dimension must be powers of 2)
+            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (rank of one slot)
+            stats_smem = (gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], flat),
+                          gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], flat),
+                          gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], flat))
+        else:
+            stats_smem = (ds_smem, ds_smem, ds_smem)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -576,7 +617,7 @@ if GLUON_IMPORT_ERROR is None:
         for s in gl.static_range(2):
             mbarrier.init(ds_bar.index(s), count=2)  # both consumer warpgroups' halves stored
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(ready.index(s), count=2 if STATS_SMEM else 1)  # (+ the statistics warp's)
             mbarrier.init(empty.index(s), count=2)
         hopper.fence_async_shared()
 
@@ -588,31 +629,67 @@ if GLUON_IMPORT_ERROR is None:
         q_row = start_q
         k_row = start_k + k0
         dq_col = (head - head_lo) * D  # DQ_TMA: the head's first column in the chunk's accumulator
-        gl.warp_specialize(
-            [
+        # (the partitions' tuples cannot be kept in variables, hence the call written out twice)
+        if STATS_SMEM:
+            gl.warp_specialize(
+                [
                 (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                                 LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                 stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                 k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                 n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                 k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER)),
+                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                    stride_sn, stride_gn, stride_dqn, stride_dkn,
+                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
+                    stats_smem, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER,
+                    STATS_SMEM)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                                   LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                   stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                   k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                   n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                   k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER)),
+                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                    stride_sn, stride_gn, stride_dqn, stride_dkn,
+                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
+                    stats_smem, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA,
+                    TOGETHER, STATS_SMEM)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
-                                     head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
-                                     q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
-                                     STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
-                                     n_per, D, GQA2)),
-            ],
-            [4, 1],
-            [232, 40],
-        )
+                    head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                    q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
+                    STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
+                    n_per, D, GQA2)),
+                (_stats_loader, (stats_smem, ready, empty, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
+                    stride_sh, stride_gh, index, first_tile + 0 * n_tiles, n_per, seqlen_q, n_tiles,
+                    BLOCK_M, STAGES,
+                    LISTED, TAIL, GQA2)),
+                ],
+                [4, 1, 1],
+                [232, 40, 40],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                    stride_sn, stride_gn, stride_dqn, stride_dkn,
+                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
+                    stats_smem, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER,
+                    STATS_SMEM)),
+                (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                    stride_sn, stride_gn, stride_dqn, stride_dkn,
+                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
+                    stats_smem, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA,
+                    TOGETHER, STATS_SMEM)),
+                (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
+                    head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                    q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
+                    STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
+                    n_per, D, GQA2)),
+                ],
+                [4, 1],
+                [232, 40],
+            )
 
 
 def dq_layout():
@@ -675,7 +752,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), TOGETHER=bool(DK_DQ_TOGETHER) and problem.dim2 > 64,
-                      KEY_MAJOR=bool(KEY_MAJOR_GRID))
+                      KEY_MAJOR=bool(KEY_MAJOR_GRID), STATS_SMEM=bool(STATS_SMEM))
     return (k_programs * problem.batch * (heads // group2),), args, constexprs
 
 
@@ -736,5 +813,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), TOGETHER=bool(DK_DQ_TOGETHER) and dim > 64,
-                      KEY_MAJOR=bool(KEY_MAJOR_GRID))
+                      KEY_MAJOR=bool(KEY_MAJOR_GRID), STATS_SMEM=bool(STATS_SMEM))
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
