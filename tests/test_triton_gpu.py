@@ -1014,6 +1014,13 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
         check_against_reference(x, "triton", causal=causal)
     monkeypatch.setattr(gluon_backward, "DQ_VEC2", vec2)
     assert len(calls) == len(cases) + 13
+    # program order (KEY_MAJOR_GRID, tenth session): these small causal launches are key-major by
+    # default; head-major, the order of long causal launches, forced here
+    monkeypatch.setattr(gluon_backward, "KEY_MAJOR_GRID", False)
+    x = make_inputs((2, 384), (2, 512), 4, (2, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", causal=True)
+    monkeypatch.setattr(gluon_backward, "KEY_MAJOR_GRID", None)
+    assert len(calls) == len(cases) + 14
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py

@@ -32,6 +32,12 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=16)
+def sm_count(index: int) -> int:
+    """The GPU's number of streaming multiprocessors, cached as `capability`."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def device_index(problem: Problem) -> int:
     """The CUDA device index of a problem's tensors (the current device for a bare "cuda")."""
     return problem.device.index if problem.device.index is not None else torch.cuda.current_device()

@@ -40,7 +40,15 @@ True`). History (H200, N=16K, D=128, student backward; `benchmarks/results/tune_
   again, within 1 % or slower when interleaved: the causal steps past the diagonal in a second
   loop without masks (CAUSAL_SPLIT, commit 44ada98), each step's statistics loaded during the
   step before (STATS_AHEAD, 8539394; 9 % slower non-causal), 16-byte dq2 reductions with the
-  column pairs traded between lanes by shuffles (DQ_VEC4, 8539394; 7.09 against 6.69 causal).
+  column pairs traded between lanes by shuffles (DQ_VEC4, 8539394; 7.09 against 6.69 causal);
+- tenth session (rounds 21-22): the dq2 tiles by TMA bulk reductions (DQ_TMA): 5.48 against 6.47
+  ms causal, 10.73 against 13.12 non-causal (0.62x / 0.60x SDPA's backward), the first change in
+  four sessions that moved this kernel by more than 10 %: the per-thread atomics were its bound,
+  not the tensor cores' wait on the exponentials (FA3's intra-warpgroup overlap, branch
+  wip/gluon-bwd-overlap, measured equal). Programs key tile first for causal launches of few
+  waves (KEY_MAJOR_GRID): 1.43 against 1.74 ms at N=8K. Tried, within noise, removed (commit
+  78ac1fa): the rows' statistics staged in shared memory by a warp of their own (STATS_SMEM),
+  dk2's and dq2's products in flight together (DK_DQ_TOGETHER).
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -49,8 +57,10 @@ then streams the 64-row query tiles that see them (both sides) through an mbarri
 consumer warpgroups own 64 keys each and, per query tile, take the transposed scores
 s^T = k q^T of both sides (async wgmma), p^T and q^T from the saved row statistics,
 dS2^T = g (q - p)^T, then dk2 += dS2^T q2 and dq2 += dS2 k2 (dS2^T through
-shared memory, which both products read), the dq2 tile added with element atomics or vector
-reductions of column pairs (`DQ_VEC2`; Gluon 3.6 has no TMA reduction).
+shared memory, which both products read), each warpgroup's [64, 64] piece of the dq2 tile added
+by a TMA bulk reduction from shared memory (`DQ_TMA`, since the tenth session; built through the
+Gluon builder, which has the op but no wrapper for it in Gluon 3.6), else by element atomics or
+vector reductions of column pairs (`DQ_VEC2`).
 
 Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), 16-bit
 (float16's upstream gradient rescaled by backward.rescaled_upstream), D 64 / 128 on both sides, no
@@ -129,8 +139,8 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
 
 
 #: The dq2 additions as vector reductions of column pairs (`red.global.add.v2.f32`: half the
-#: reduction instructions, whole 32-byte sectors per warp; by inline PTX, Gluon 3.6 having no TMA
-#: reduction) instead of element atomics: True, False, or None (the default): where measured faster,
+#: reduction instructions, whole 32-byte sectors per warp; by inline PTX) instead of element
+#: atomics, where `DQ_TMA` is off: True, False, or None (the default): where measured faster,
 #: dense without causality (H200, ninth session, interleaved A/B: 13.05 against 13.36 ms
 #: non-causal; causal slower, 6.86 against 6.45; eighth session, before the statistics were loaded
 #: in the score layout: causal 7.47 against 7.14).
@@ -153,19 +163,26 @@ def dq_vec(problem: Problem) -> int:
 #: non-causal; D=64 3.82 / 7.18 against 4.02 / 8.34).
 DQ_TMA = True
 
-#: Experimental (tenth session, A/B): the rows' statistics (lse1, lse2, g) of each step loaded by a
-#: warp of their own into a shared ring next to the query tiles' (arriving on the same `ready`
-#: barrier), so the consumers read them from shared memory instead of waiting on global loads.
-STATS_SMEM = False
+#: Programs ordered key tile first, heads second (True), so that with causality the longest
+#: programs (the first key tiles) of every head start first and the shortest end the launch; or
+#: head first (False: each head's programs in turn, longest first; the last heads' long programs
+#: then start late and run alone at the end, but the programs running together share their
+#: heads' query tiles in L2). None (the default): key-major for dense causal launches of fewer
+#: than 12 waves of programs (`key_major`). H200, D=128, causal, interleaved (tenth session):
+#: N=8K 1.43 against 1.74 ms, N=4K 0.44 against 0.49; N=16K (15.5 waves) 5.55 against 5.50 and
+#: non-causal 10.91 against 10.69 (equal programs: only the L2 sharing changes).
+KEY_MAJOR_GRID = None
 
-#: Experimental (tenth session, A/B): dk2's product left in flight while dq2's is issued, one wait
-#: for both (at D=128; first tried in the fifth session with atomics: slower).
-DK_DQ_TOGETHER = False
 
-#: Experimental (tenth session, A/B): programs ordered key tile first, heads second, so that with
-#: causality the longest programs (the first key tiles) of every head start first (longest
-#: processing time first; head-major, as before, starts the last heads' long programs late).
-KEY_MAJOR_GRID = False
+def key_major(problem: Problem, programs: int) -> bool:
+    """Whether a launch of `programs` programs orders them key tile first (`KEY_MAJOR_GRID`)."""
+    if KEY_MAJOR_GRID is not None:
+        return bool(KEY_MAJOR_GRID)
+    if not problem.causal or problem.is_varlen or listed(problem) or problem.device.type != "cuda":
+        return False
+    from streamkl.backends.triton.common import device_index, sm_count
+
+    return programs < 12 * sm_count(device_index(problem))
 
 
 def dq_tma(problem: Problem) -> bool:
@@ -314,40 +331,18 @@ if GLUON_IMPORT_ERROR is None:
         return lse1, lse2, g
 
     @gluon.jit
-    def _stats_loader(stats_smem, ready, empty, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn, stride_sh,
-                      stride_gh, index, first_tile, n_per, len_q, n_tiles, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
-        """STATS_SMEM: one warp ahead of the consumers, step i's rows' lse1, lse2 and g into slot
-        i % STAGES of a shared ring, released with the query tiles' slot (`empty`), announced by a
-        second arrival on the slot's `ready` barrier (release semantics: the stores are seen by
-        whoever waits on it)."""
-        layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-        for i in range(n_tiles):
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-            tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
-                                                     LISTED, TAIL, GQA2)
-            lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
-                                        stride_sh, stride_gh, BLOCK_M, GQA2, layout)
-            stats_smem[0].index(slot).store(lse1)
-            stats_smem[1].index(slot).store(lse2)
-            stats_smem[2].index(slot).store(g)
-            mbarrier.arrive(ready.index(slot), count=1)
-
-    @gluon.jit
     def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, stats_smem,
+                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, TOGETHER: gl.constexpr,
-                      STATS_SMEM: gl.constexpr):
+                      VEC: gl.constexpr, DQ_TMA: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
-        are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by element atomics: at
+        are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction: at
         D=128 each warpgroup its 64 columns, at D=64 one warpgroup all 64 (turns by tile parity)."""
         HALF: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -384,13 +379,8 @@ if GLUON_IMPORT_ERROR is None:
             o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
             # the rows' statistics straight into the score layout (16 rows a thread from one 64-bit
             # base; before the ninth session one a thread, spread by three layout conversions)
-            if STATS_SMEM:  # loaded by the statistics warp (`_stats_loader`), landed with the slot
-                lse1 = stats_smem[0].index(slot).load(row_layout)
-                lse2 = stats_smem[1].index(slot).load(row_layout)
-                g = stats_smem[2].index(slot).load(row_layout)
-            else:
-                lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn,
-                                            stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
+            lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
+                                        stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
             lse1 = lse1 * 1.4426950408889634
             lse2 = lse2 * 1.4426950408889634
             g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
@@ -435,9 +425,8 @@ if GLUON_IMPORT_ERROR is None:
             hopper.fence_async_shared()
             mbarrier.arrive(ds_bar.index(i % 2), count=1)
             dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
-            if not TOGETHER:
-                dk = hopper.warpgroup_mma_wait(0, deps=[dk])
-                mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
+            dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+            mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
             o_step = o_dq
             if GQA2:
                 o_step = o_dq + h_in * stride_dqh
@@ -447,16 +436,7 @@ if GLUON_IMPORT_ERROR is None:
             # as before the ninth session, were 32 values hoisted out of the loop and spilled)
             p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
             p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-            if TOGETHER:  # (D > 64) dq2's product issued behind dk2's, one wait for both
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False, is_async=True)
-                dk, dq = hopper.warpgroup_mma_wait(0, deps=[dk, dq])
-                mbarrier.arrive(empty.index(slot), count=1)
-                if DQ_TMA:
-                    _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D + WG * 64)
-                else:
-                    _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
-            elif D > 64:
+            if D > 64:
                 mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
                 if DQ_TMA:  # this warpgroup's [64, 64] piece by one TMA bulk reduction
@@ -486,17 +466,17 @@ if GLUON_IMPORT_ERROR is None:
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                        n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, stats_smem,
+                        n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr, TOGETHER: gl.constexpr, STATS_SMEM: gl.constexpr):
+                        DQ_TMA: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, stats_smem,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER, STATS_SMEM)
+                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -526,9 +506,7 @@ if GLUON_IMPORT_ERROR is None:
         VEC: gl.constexpr,  # dq2 added by element atomics (1) or vector reductions of column pairs (2)
         DQ_TMA: gl.constexpr,  # dq2 added by TMA bulk reductions of [64, 64] tiles (VEC unused)
         DQ_LAYOUT: gl.constexpr,  # DQ_TMA: dq_desc's shared layout
-        TOGETHER: gl.constexpr,  # D=128: dk2's and dq2's products in flight together (DK_DQ_TOGETHER)
         KEY_MAJOR: gl.constexpr,  # programs ordered key tile first (KEY_MAJOR_GRID)
-        STATS_SMEM: gl.constexpr,  # the rows' statistics staged in shared memory by a warp of their own
     ):
         if KEY_MAJOR:
             n_bh = gl.num_programs(0) // k_programs
@@ -601,14 +579,6 @@ if GLUON_IMPORT_ERROR is None:
         else:
             dq_smem0 = ds_smem
             dq_smem1 = ds_smem
-        if STATS_SMEM:  # lse1, lse2, g of each slot's 64 rows (three rings: shapes past the first
-            # dimension must be powers of 2)
-            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (rank of one slot)
-            stats_smem = (gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], flat),
-                          gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], flat),
-                          gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], flat))
-        else:
-            stats_smem = (ds_smem, ds_smem, ds_smem)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -617,7 +587,7 @@ if GLUON_IMPORT_ERROR is None:
         for s in gl.static_range(2):
             mbarrier.init(ds_bar.index(s), count=2)  # both consumer warpgroups' halves stored
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=2 if STATS_SMEM else 1)  # (+ the statistics warp's)
+            mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
         hopper.fence_async_shared()
 
@@ -629,67 +599,31 @@ if GLUON_IMPORT_ERROR is None:
         q_row = start_q
         k_row = start_k + k0
         dq_col = (head - head_lo) * D  # DQ_TMA: the head's first column in the chunk's accumulator
-        # (the partitions' tuples cannot be kept in variables, hence the call written out twice)
-        if STATS_SMEM:
-            gl.warp_specialize(
-                [
+        gl.warp_specialize(
+            [
                 (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                    stride_sn, stride_gn, stride_dqn, stride_dkn,
-                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                    stats_smem, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER,
-                    STATS_SMEM)),
+                                 LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                                 stride_sn, stride_gn, stride_dqn, stride_dkn,
+                                 k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                 n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                                 k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
+                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                    stride_sn, stride_gn, stride_dqn, stride_dkn,
-                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
-                    stats_smem, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA,
-                    TOGETHER, STATS_SMEM)),
+                                   LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                                   stride_sn, stride_gn, stride_dqn, stride_dkn,
+                                   k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                   n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                                   k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
+                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
-                    head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
-                    q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
-                    STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
-                    n_per, D, GQA2)),
-                (_stats_loader, (stats_smem, ready, empty, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
-                    stride_sh, stride_gh, index, first_tile + 0 * n_tiles, n_per, seqlen_q, n_tiles,
-                    BLOCK_M, STAGES,
-                    LISTED, TAIL, GQA2)),
-                ],
-                [4, 1, 1],
-                [232, 40, 40],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                    stride_sn, stride_gn, stride_dqn, stride_dkn,
-                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                    stats_smem, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, TOGETHER,
-                    STATS_SMEM)),
-                (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                    stride_sn, stride_gn, stride_dqn, stride_dkn,
-                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
-                    stats_smem, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA,
-                    TOGETHER, STATS_SMEM)),
-                (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
-                    head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
-                    q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
-                    STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
-                    n_per, D, GQA2)),
-                ],
-                [4, 1],
-                [232, 40],
-            )
+                                     head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                                     q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
+                                     STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
+                                     n_per, D, GQA2)),
+            ],
+            [4, 1],
+            [232, 40],
+        )
 
 
 def dq_layout():
@@ -751,9 +685,10 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
-                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), TOGETHER=bool(DK_DQ_TOGETHER) and problem.dim2 > 64,
-                      KEY_MAJOR=bool(KEY_MAJOR_GRID), STATS_SMEM=bool(STATS_SMEM))
-    return (k_programs * problem.batch * (heads // group2),), args, constexprs
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout())
+    programs = k_programs * problem.batch * (heads // group2)
+    constexprs["KEY_MAJOR"] = key_major(problem, programs)
+    return (programs,), args, constexprs
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
@@ -812,6 +747,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
-                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), TOGETHER=bool(DK_DQ_TOGETHER) and dim > 64,
-                      KEY_MAJOR=bool(KEY_MAJOR_GRID), STATS_SMEM=bool(STATS_SMEM))
+                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), KEY_MAJOR=bool(KEY_MAJOR_GRID))
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
