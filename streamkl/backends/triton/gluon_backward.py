@@ -1,10 +1,10 @@
 """Hopper (sm_90) student backward in Gluon: the key-major pass of backward.py (dk2 in registers,
 dq2 added into a float32 buffer), warp-specialized like gluon_forward.py. The Triton backend's
 DEFAULT student backward on sm_90 where it was measured faster than backward.py (`chosen`): head
-dim 128, dense (causal or not, since the ninth session non-causal too) or with block masks, not a
-window alone; elsewhere it runs when forced (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON =
-True`). History (H200, N=16K, D=128, student backward; `benchmarks/results/tune_h200.md`, rounds
-11-20):
+dim 128, dense (causal or not, since the ninth session non-causal too), with block masks, or
+with a window (since the tenth session); elsewhere it runs when forced (`STREAMKL_GLUON=1` or
+`gluon_forward.USE_GLUON = True`). History (H200, N=16K, D=128, student backward;
+`benchmarks/results/tune_h200.md`, rounds 11-22):
 - as first written (fifth session, each warpgroup adding its own [64, D] dq2 tile): correct on the
   GPU, 23.6 ms non-causal / 9.9 ms causal against backward.py's 14.8 / 7.8;
 - dq2 over all 128 keys of a tile (half the atomics; commit c0f362d): 15.6 / 6.8 ms;
@@ -117,21 +117,21 @@ def stages(dim: int) -> int:
 
 
 def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
-    """Whether this backward runs the Gluon kernel: where it applies, by default at head dim 128
-    without a window, dense (causal or not; partial tiles, packed sequences and side-2 GQA
-    included) or with block masks, where it was measured faster than backward.py (H200, N=16K,
-    ninth session, interleaved: 6.45 against 7.78 ms causal, 13.05 against 14.81 non-causal, GQA
-    16/4 6.68 / 13.54 against 7.94 / 15.71, 16 packed sequences of 1000-4000 tokens 3.60 / 6.51
-    against 4.58 / 7.96; 1.71 against 1.85 ms at 90 % block sparsity, seventh session); not with a
-    window alone (1.48 against 1.40 ms at (1024, 0)) or at head dim 64 (8.3 against 6.2 ms
-    non-causal, 4.0 against 3.9 causal). Everywhere it applies when forced
+    """Whether this backward runs the Gluon kernel: where it applies, by default at head dim 128,
+    dense (causal or not; partial tiles, packed sequences and side-2 GQA included), with block
+    masks or a window, where it was measured faster than backward.py (H200, N=16K, tenth session,
+    dq2 by TMA reductions: 5.48 against 7.84 ms causal, 10.73 against 14.96 non-causal; forced
+    scopes, causal / not: partial tiles N=16320 5.72 / 10.39 against 7.81 / 16.34, GQA 16/4 5.65 /
+    11.06 against 7.97 / 15.64, 16 packed sequences of 1000-4000 tokens 3.15 / 5.14 against 4.60 /
+    7.99, a window (1024, 0) 1.14 against 1.40 (slower before the TMA reductions: 1.48); 1.71
+    against 1.85 ms at 90 % block sparsity, seventh session); not at head dim 64 (7.18 against
+    6.32 ms non-causal, 3.82 against 3.86 causal). Everywhere it applies when forced
     (`gluon_forward.setting()`)."""
     use = setting()
     if use is False:
         return False
     if use is None:
-        masked = problem.mask1 is not None or problem.mask2 is not None
-        if problem.dim2 != 128 or not (masked or problem.window == (-1, -1)):
+        if problem.dim2 != 128:
             return False
         if not listed(problem) and not TAILS_BY_DEFAULT and tile_fit(problem) != "whole":
             return False
