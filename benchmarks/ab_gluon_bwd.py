@@ -23,7 +23,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import streamkl  # noqa: E402
-from streamkl.backends.triton import gluon_backward, gluon_forward  # noqa: E402
+from streamkl.backends.triton import backward, gluon_backward, gluon_forward  # noqa: E402
 
 
 def main():
@@ -34,19 +34,25 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rep", type=int, default=100, help="do_bench milliseconds a round")
-    parser.add_argument("--variants", required=True, help="JSON list of {attribute: value}; 'gluon': False "
-                        "runs backward.py")
+    parser.add_argument("--variants", required=True, help="JSON list of {attribute: value} (gluon_backward's; "
+                        "'backward.NAME': backward.py's); 'gluon': False runs backward.py")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = parser.parse_args()
     variants = json.loads(args.variants)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = [torch.randn(1, args.n, args.heads, args.dim, device="cuda", dtype=torch.bfloat16, generator=g)
          .requires_grad_(i >= 2) for i in range(4)]
-    defaults = {name: getattr(gluon_backward, name) for v in variants for name in v if name != "gluon"}
+    modules = {"": gluon_backward, "backward.": backward}  # "backward.NAME": an attribute of backward.py
+
+    def owner(name):
+        prefix = "backward." if name.startswith("backward.") else ""
+        return modules[prefix], name[len(prefix):]
+
+    defaults = {name: getattr(*owner(name)) for v in variants for name in v if name != "gluon"}
 
     def setup(variant):
         for name, value in defaults.items():
-            setattr(gluon_backward, name, variant.get(name, value))
+            setattr(*owner(name), variant.get(name, value))
         gluon_forward.USE_GLUON = variant.get("gluon", True)
 
     runs = []
