@@ -293,13 +293,13 @@ if GLUON_IMPORT_ERROR is None:
         _tma_reduce_add(dq_desc, [row, col], dq_smem)
 
     @gluon.jit
-    def _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
+    def _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
                    TAIL: gl.constexpr, GQA2: gl.constexpr):
         """Step i's first query row (sequence-local), the first row it owns (TAIL: earlier ones
         belong to the step before) and its query head within the group (GQA2)."""
         h_in = 0
         if LISTED:  # step i: half i % 2 of the (i // 2)-th listed 128-row query tile
-            tile_row0 = gl.load(index + i // 2, mask=i < n_tiles, other=0) * 128 + (i % 2) * BLOCK_M
+            tile_row0 = gl.load(index + i // 2) * 128 + (i % 2) * BLOCK_M
         else:
             t = i
             if GQA2:  # step i: tile t of the group's query head h_in (n_per tiles a head)
@@ -374,7 +374,7 @@ if GLUON_IMPORT_ERROR is None:
                                       is_async=True)
             t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
                                       is_async=True)
-            tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, n_tiles, BLOCK_M,
+            tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M,
                                                      LISTED, TAIL, GQA2)
             o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
             # the rows' statistics straight into the score layout (16 rows a thread from one 64-bit
