@@ -336,10 +336,10 @@ if GLUON_IMPORT_ERROR is None:
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
+                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr, DQ_TMA: gl.constexpr):
+                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction: at
@@ -363,6 +363,10 @@ if GLUON_IMPORT_ERROR is None:
         else:  # D = 64: all of dq2's columns, every other tile (turns by parity)
             kb2 = k2_smem
         dk = gl.zeros([HALF, D], gl.float32, d_layout)
+        ds1_smem, DK1, EXPECT, dq1_desc, out_scale1 = both
+        if BOTH:  # (probe) side 1's gradients too: dk1 in registers, dq1 by TMA reductions
+            dk1 = gl.zeros([HALF, D], gl.float32, d_layout)
+            kb1 = k1_smem.slice(WG * 64, 64, dim=1)
         o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
         o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout)).to(gl.int64)
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
@@ -383,6 +387,9 @@ if GLUON_IMPORT_ERROR is None:
                                         stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
             lse1 = lse1 * 1.4426950408889634
             lse2 = lse2 * 1.4426950408889634
+            if BOTH:  # the row's expectation E (natural units), as backward._row_stats
+                e_row = gl.load(EXPECT + o_stat + (o_stat * 0 + tile_row0) * stride_sn
+                                + gl.arange(0, BLOCK_M, layout=row_layout).to(gl.int64) * stride_sn)
             g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
             if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
                 lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
@@ -415,6 +422,8 @@ if GLUON_IMPORT_ERROR is None:
                     p = gl.where(allowed, p, 0.0)
                     q = gl.where(allowed, q, 0.0)
                 ds = g[None, :] * (q - p)
+                if BOTH:  # dS1 = g p ((s1 - s2) ln 2 - E); 0 where p is
+                    ds1 = g[None, :] * p * ((st1 * scale1 - st2 * scale2) * 0.6931471805599453 - e_row[None, :])
             ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
             # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
             # halves transposed. Buffer i % 2: its previous readers (tile i - 2) are done, since the
@@ -422,10 +431,18 @@ if GLUON_IMPORT_ERROR is None:
             ds_all = ds_smem.index(i % 2)
             ds_own = ds_all.slice(WG * HALF, HALF)
             ds_own.store(ds_t)
+            if BOTH:
+                ds1_all = ds1_smem.index(i % 2)
+                ds1_own = ds1_all.slice(WG * HALF, HALF)
+                ds1_own.store(ds1.to(ds_smem.dtype))
             hopper.fence_async_shared()
             mbarrier.arrive(ds_bar.index(i % 2), count=1)
             dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
-            dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+            if BOTH:
+                dk1 = hopper.warpgroup_mma(ds1_own, q1_smem.index(slot), dk1, is_async=True)
+                dk, dk1 = hopper.warpgroup_mma_wait(0, deps=[dk, dk1])
+            else:
+                dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
             o_step = o_dq
             if GQA2:
@@ -441,6 +458,10 @@ if GLUON_IMPORT_ERROR is None:
                 dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
                 if DQ_TMA:  # this warpgroup's [64, 64] piece by one TMA bulk reduction
                     _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D + WG * 64)
+                    if BOTH:  # dq1 through the same shared tile, once the TMA unit has read dq2's
+                        dq1 = hopper.warpgroup_mma(ds1_all.permute((1, 0)), kb1, zero_q, use_acc=False)
+                        _reduce_dq(dq1_desc, dq_smem, dq1 * out_scale1, q_row + tile_row0,
+                                   dq_col + h_in * D + WG * 64)
                 else:
                     _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
             elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
@@ -459,6 +480,9 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(p_dk, (dk * out_scale2).to(DK2.dtype.element_ty), mask=own)
         else:
             gl.store(p_dk, (dk * out_scale2).to(DK2.dtype.element_ty))
+        if BOTH:  # (probe: whole tiles only)
+            p_dk1 = DK1 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
+            gl.store(p_dk1, (dk1 * out_scale1).to(DK1.dtype.element_ty))
 
     @gluon.jit
     def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
@@ -466,23 +490,24 @@ if GLUON_IMPORT_ERROR is None:
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                         n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                        n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
+                        n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr):
+                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)
+                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
         LSE1, LSE2, GRAD, DQ2, DK2,
         dq_desc,  # DQ_TMA: the float32 dq2 buffer as 2-D [B * N, heads * D], [64, 64] boxes; else unused
+        DK1, EXPECT, dq1_desc,  # BOTH (probe): side 1's dk, the rows' E, its float32 dq buffer
         G_SCALE,  # NORM_G (float16): what GRAD was divided by
         CU_Q, CU_K,  # VARLEN: cu_seqlens (int32); else unused
         Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,  # LISTED: the key-major schedule (128 x 128 tiles); else unused
@@ -495,7 +520,7 @@ if GLUON_IMPORT_ERROR is None:
         window_left, window_right,  # LISTED: causality folded into window_right; -1 unbounded
         seqlen_q, seqlen_k, heads, head_lo, group1, group2,  # heads: programs a sequence (key heads of side 2
         # in this launch's chunk of query heads, from head_lo)
-        scale1, scale2, out_scale2, k_programs,
+        scale1, scale2, out_scale2, out_scale1, k_programs,
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
         LISTED: gl.constexpr,  # block masks or a window: walk the key schedule's query-tile lists
@@ -507,6 +532,7 @@ if GLUON_IMPORT_ERROR is None:
         DQ_TMA: gl.constexpr,  # dq2 added by TMA bulk reductions of [64, 64] tiles (VEC unused)
         DQ_LAYOUT: gl.constexpr,  # DQ_TMA: dq_desc's shared layout
         KEY_MAJOR: gl.constexpr,  # programs ordered key tile first (KEY_MAJOR_GRID)
+        BOTH: gl.constexpr,  # (probe) side 1's gradients too
     ):
         if KEY_MAJOR:
             n_bh = gl.num_programs(0) // k_programs
@@ -572,6 +598,11 @@ if GLUON_IMPORT_ERROR is None:
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
         ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)  # two buffers
+        if BOTH:
+            ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)
+            both = (ds1_smem, DK1, EXPECT, dq1_desc, out_scale1)
+        else:
+            both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
         if DQ_TMA:  # each consumer warpgroup's float32 dq2 tile on its way to the TMA unit
             dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 64], DQ_LAYOUT)
             dq_smem0 = dq_all.index(0)
@@ -607,14 +638,14 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                                 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)),
+                                 both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
-                                   D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA)),
+                                   both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -674,18 +705,19 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     use_tma = dq_tma(problem)
     args = (
         *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2) if use_tma else descs[0],
+        dk2, lse1, descs[0],  # BOTH (probe; not wired): DK1, EXPECT, dq1_desc
         lse1 if g_scale is None else g_scale, cu_q, cu_k, *lists,
         *stat_strides(lse1, varlen), *row_strides(grad_rows, varlen), *row_strides(dq2, varlen),
         *row_strides(dk2, varlen),
         *list_strides, *window,
         problem.seqlen_q, problem.seqlen_k, heads // group2, head_lo, group1, group2,
-        scale1, scale2, scale2 * LN2, k_programs,
+        scale1, scale2, scale2 * LN2, scale1 * LN2, k_programs,
     )  # fmt: skip
     ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
-                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout())
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=False)
     programs = k_programs * problem.batch * (heads // group2)
     constexprs["KEY_MAJOR"] = key_major(problem, programs)
     return (programs,), args, constexprs
@@ -723,7 +755,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
-                       tma_dq: bool | None = None):
+                       tma_dq: bool | None = None, both: bool = False):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; None: as `DQ_TMA`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
@@ -738,14 +770,17 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
     examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t,
                     dq_desc=dq_descriptor(torch.empty(2, BLOCK_N, 4, dim)) if tma_dq else descs[0],
+                    DK1=t, EXPECT=stats, dq1_desc=dq_descriptor(torch.empty(2, BLOCK_N, 4, dim)),
                     G_SCALE=stats, CU_Q=cu, CU_K=cu)
     examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
     examples.update(stride_sn=1, stride_gn=1)  # as launched (Triton specializes 1s)
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
-    examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, k_programs=1024)
+    examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, out_scale1=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
-                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), KEY_MAJOR=bool(KEY_MAJOR_GRID))
+                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both)
+    if both:
+        constexprs["STAGES"] = 2
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
