@@ -37,11 +37,13 @@ def main():
     parser.add_argument("--variants", required=True, help="JSON list of {attribute: value} (gluon_backward's; "
                         "'backward.NAME': backward.py's); 'gluon': False runs backward.py")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
+    parser.add_argument("--all-grads", action="store_true", help="all four gradients (both sides)")
     args = parser.parse_args()
     variants = json.loads(args.variants)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = [torch.randn(1, args.n, args.heads, args.dim, device="cuda", dtype=torch.bfloat16, generator=g)
-         .requires_grad_(i >= 2) for i in range(4)]
+         .requires_grad_(i >= 2 or args.all_grads) for i in range(4)]
+    wrt = x if args.all_grads else x[2:]
     modules = {"": gluon_backward, "backward.": backward}  # "backward.NAME": an attribute of backward.py
 
     def owner(name):
@@ -59,7 +61,7 @@ def main():
     for variant in variants:  # compile, check, and one output each
         setup(variant)
         out = streamkl.kl(*x, backend="triton", causal=args.causal)
-        grads = torch.autograd.grad(out, x[2:], retain_graph=True)
+        grads = torch.autograd.grad(out, wrt, retain_graph=True)
 
         def call(out=out):
             out.backward(retain_graph=True)
@@ -69,7 +71,7 @@ def main():
     for _ in range(args.rounds):
         for k, (variant, (call, _)) in enumerate(zip(variants, runs)):
             setup(variant)
-            times[k].append(triton.testing.do_bench(call, warmup=20, rep=args.rep, grad_to_none=x[2:],
+            times[k].append(triton.testing.do_bench(call, warmup=20, rep=args.rep, grad_to_none=wrt,
                                                     return_mode="median"))
     setup({})
     gluon_forward.USE_GLUON = None
@@ -77,7 +79,7 @@ def main():
     lines = []
     for variant, (_, grads), ts in zip(variants, runs, times):
         err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, ref))
-        row = dict(kind="ab_bwd", n=args.n, d=args.dim, causal=args.causal, variant=variant,
+        row = dict(kind="ab_bwd", n=args.n, d=args.dim, causal=args.causal, all_grads=args.all_grads, variant=variant,
                    ms=statistics.median(ts), spread=max(ts) - min(ts), rounds=[round(t, 3) for t in ts],
                    rel_err_vs_first=err, device=torch.cuda.get_device_name())
         lines.append(json.dumps(row))

@@ -756,6 +756,26 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     assert len(calls) == 8 and len(bwd_calls) == 7  # STREAMKL_GLUON=0: neither
 
 
+@gpu
+def test_gluon_both_sides_backward_matches_reference(monkeypatch):
+    """EXPERIMENTAL (branch wip/both-sides-probe, tenth session; written without a GPU, first GPU
+    run pending): all four gradients by the Gluon kernel with BOTH (`gluon_backward.BOTH_SIDES`),
+    dense whole tiles, D=128, bfloat16, against the float64 reference."""
+    from streamkl.backends.triton import gluon_backward
+
+    _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_backward, "BOTH_SIDES", True)
+    calls = []
+    original = gluon_backward.kl_backward_both
+    monkeypatch.setattr(gluon_backward, "kl_backward_both", lambda *a: calls.append(1) or original(*a))
+    for (n_q, n_k), causal in (((256, 384), True), ((384, 384), False), ((256, 256), True)):
+        x = make_inputs((2, n_q), (2, n_k), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
+        check_against_reference(x, "triton", causal=causal)
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize(
     "config",
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, (128, 64), True, False),

@@ -543,6 +543,7 @@ if GLUON_IMPORT_ERROR is None:
             pid_k = gl.program_id(0) - pid_bh * k_programs
         if NORM_G:  # the products are linear in g: the factor comes back with the softmax scale
             out_scale2 = out_scale2 * gl.load(G_SCALE)
+            out_scale1 = out_scale1 * gl.load(G_SCALE)
         seq = pid_bh // heads
         if GQA2:  # the group's first query head (side 1's key head is the group's: group1 % group2 == 0)
             head = head_lo + (pid_bh % heads) * group2
@@ -670,7 +671,7 @@ def dq_descriptor(accum: torch.Tensor):
 
 
 def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None, g_scale=None,
-                head_lo: int = 0, heads: int | None = None):
+                head_lo: int = 0, heads: int | None = None, both=None):
     """(grid, positional arguments, constexprs) of one launch over `heads` heads from `head_lo`
     (default all of them); `dq2` is the float32 accumulator of those heads [B, N, heads, D]. Block
     masks or a window (`listed`): `schedule` (query-major, 128 x 128 tiles) is walked through its
@@ -705,7 +706,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     use_tma = dq_tma(problem)
     args = (
         *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2) if use_tma else descs[0],
-        dk2, lse1, descs[0],  # BOTH (probe; not wired): DK1, EXPECT, dq1_desc
+        *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
         lse1 if g_scale is None else g_scale, cu_q, cu_k, *lists,
         *stat_strides(lse1, varlen), *row_strides(grad_rows, varlen), *row_strides(dq2, varlen),
         *row_strides(dk2, varlen),
@@ -717,10 +718,69 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
-                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=False)
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=both is not None)
+    if both is not None:  # two query stages: the second dS^T pair takes the third's room
+        constexprs["STAGES"] = 2
     programs = k_programs * problem.batch * (heads // group2)
     constexprs["KEY_MAJOR"] = key_major(problem, programs)
     return (programs,), args, constexprs
+
+
+#: Experimental (tenth session, written without a GPU, NOT yet run on one): both sides' gradients
+#: by the same kernel (BOTH: dS1 = g p ((s1 - s2) ln 2 - E) next to dS2, dk1 in registers next to
+#: dk2, dq1 by TMA reductions after dq2's; 6 products a step against the two-kernel path's 8).
+#: ptxas spills ~0.5 KB (registers: dk1 + dk2 128, scores 64, row statistics 64). Used only where
+#: this is True and `applies_both` holds; tests and A/B set it.
+BOTH_SIDES = False
+
+
+def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
+    """The BOTH probe's scope: all four gradients, bfloat16, D=128 on both sides, no GQA, dense
+    sequences of whole tiles (causal or not), no block masks or window."""
+    if not BOTH_SIDES or GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
+        return False
+    if setting() is False:  # STREAMKL_GLUON=0 / USE_GLUON = False
+        return False
+    if tuple(needs) != (True, True, True, True) or problem.dtype != torch.bfloat16:
+        return False
+    if (problem.dim1, problem.dim2) != (128, 128) or problem.heads_k1 != problem.heads:
+        return False
+    if problem.heads_k2 != problem.heads:
+        return False
+    if listed(problem) or problem.is_varlen or tile_fit(problem) != "whole":
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q1, k1, q2, k2)):
+        return False
+    from streamkl.backends.triton.common import capability, device_index
+
+    return capability(device_index(problem))[0] == 9
+
+
+def kl_backward_both(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows):
+    """(dq1, dk1, dq2, dk2) through the kernel with BOTH; `applies_both()` must hold. Two float32
+    dq accumulators, head-chunked as the student's (two chunks: together the size of one 16-bit
+    dq pair, under the four gradients returned)."""
+    from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
+
+    dk1, dk2 = torch.empty_like(k1), torch.empty_like(k2)
+    g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
+    g = g.transpose(-1, -2).contiguous().transpose(-1, -2)  # head-major, as kl_backward's
+    chunks = max(atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), 1), 1)
+    per_chunk = problem.heads // chunks
+    shape = (*q2.shape[:-2], per_chunk, q2.shape[-1])
+    accum1, accum2 = (torch.zeros(shape, dtype=torch.float32, device=q2.device) for _ in range(2))
+    dq1, dq2 = torch.empty_like(q1), torch.empty_like(q2)
+    for chunk in range(chunks):
+        lo = chunk * per_chunk
+        if chunk:
+            accum1.zero_()
+            accum2.zero_()
+        grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, None, g_scale,
+                                             lo, per_chunk, both=(dk1, expect, accum1))
+        _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
+        dq1[..., lo:lo + per_chunk, :].copy_(accum1)
+        dq2[..., lo:lo + per_chunk, :].copy_(accum2)
+    return dq1, dk1, dq2, dk2
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
