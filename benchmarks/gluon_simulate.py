@@ -291,6 +291,44 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     return max(errors)
 
 
+def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torch.float16):
+    """(branch wip/both-sides-probe) The kernel with BOTH: all four gradients against the float64
+    reference, E (and lse) from the float64 chunked-PyTorch forward, dense whole tiles, D=128."""
+    from streamkl.autograd import run_forward
+    from streamkl.backends.torch_chunked import TorchChunkedBackend
+    from streamkl.backends.triton import gluon_backward
+    from streamkl.backends.triton.backward import rescaled_upstream
+    from streamkl.problem import build_problem
+    from streamkl.reference import reference_kl
+
+    g = torch.Generator().manual_seed(2)
+    dim = 128
+    q1, k1, q2, k2 = (torch.randn(batch, n, heads, dim, generator=g).to(dtype) for n in (n_q, n_k, n_q, n_k))
+    leaves = [t.double().requires_grad_(True) for t in (q1, k1, q2, k2)]
+    ref, _, _ = reference_kl(*leaves, causal=causal)
+    upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    refs = torch.autograd.grad((ref * upstream).sum(), leaves)
+    problem64 = build_problem(*(t.detach() for t in leaves), causal=causal, allow_float64=True)
+    (_, lse1, lse2, expect), _ = run_forward(problem64, TorchChunkedBackend(), *(t.detach() for t in leaves))
+    problem = build_problem(q1, k1, q2, k2, causal=causal)
+    lse1, lse2, expect = (t.float().contiguous() for t in (lse1, lse2, expect))
+    grad_rows, g_scale = rescaled_upstream(problem, upstream.float(), lse1)
+    grad_rows = grad_rows.transpose(-1, -2).contiguous().transpose(-1, -2)
+    accum1, accum2 = (torch.zeros(batch, n_q, heads, dim) for _ in range(2))
+    dk1, dk2 = torch.zeros_like(k1), torch.zeros_like(k2)
+    kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
+    start = time.time()
+    grid, args, constexprs = gluon_backward.launch_args(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, accum2, dk2,
+                                                        None, g_scale, 0, heads, both=(dk1, expect, accum1))
+    kernel[grid](*args, **constexprs, num_warps=4)
+    got = (accum1, dk1, accum2, dk2)
+    errors = [((a.double() - e).norm() / e.norm()).item() for a, e in zip(got, refs)]
+    print(f"both sides B{batch} Nq{n_q} Nk{n_k} H{heads} D128 causal={causal}: relative L2 error dq1 "
+          f"{errors[0]:.1e}, dk1 {errors[1]:.1e}, dq2 {errors[2]:.1e}, dk2 {errors[3]:.1e} "
+          f"({time.time() - start:.1f} s)", flush=True)
+    return max(errors)
+
+
 def main():
     faulthandler.dump_traceback_later(900, exit=True)  # a deadlocked protocol shows where each partition waits
     triton_viz, client = _adjust_simulator()
@@ -360,6 +398,11 @@ def main():
     ]
     if "--new" in sys.argv:
         backward_cases = backward_cases[19:]
+    if "--both" in sys.argv:  # (branch wip/both-sides-probe) the kernel with BOTH
+        worst = max(simulate_both(triton_viz, client, *case) for case in
+                    ((1, 128, 128, 1, False), (1, 128, 256, 2, True), (2, 256, 256, 2, True), (1, 192, 384, 1, False)))
+        print(f"worst relative error {worst:.1e}")
+        sys.exit(0 if worst < 2e-2 else 1)
     worst = max(simulate_backward(triton_viz, client, *case) for case in backward_cases)
     print(f"worst relative error {worst:.1e}")
     sys.exit(0 if worst < 2e-2 else 1)
