@@ -125,7 +125,7 @@ def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool
     11.06 against 7.97 / 15.64, 16 packed sequences of 1000-4000 tokens 3.15 / 5.14 against 4.60 /
     7.99, a window (1024, 0) 1.14 against 1.40 (slower before the TMA reductions: 1.48); 1.71
     against 1.85 ms at 90 % block sparsity, seventh session); not at head dim 64 (7.18 against
-    6.32 ms non-causal, 3.82 against 3.86 causal). Everywhere it applies when forced
+    6.32 ms non-causal; causal within 1 %, 3.82 against 3.86). Everywhere it applies when forced
     (`gluon_forward.setting()`)."""
     use = setting()
     if use is False:
@@ -183,11 +183,6 @@ def key_major(problem: Problem, programs: int) -> bool:
     from streamkl.backends.triton.common import device_index, sm_count
 
     return programs < 12 * sm_count(device_index(problem))
-
-
-def dq_tma(problem: Problem) -> bool:
-    """Whether the dq2 tiles go through TMA bulk reductions (`DQ_TMA`)."""
-    return bool(DQ_TMA)
 
 
 #: Lengths that are not whole numbers of tiles (TAIL: a last partial tile or step shifted back to
@@ -703,7 +698,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     else:
         lists, list_strides, window = (lse1,) * 4, (0,) * 6, (-1, -1)
     descs = [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
-    use_tma = dq_tma(problem)
+    use_tma = bool(DQ_TMA)
     args = (
         *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2) if use_tma else descs[0],
         *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH

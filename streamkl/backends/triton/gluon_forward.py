@@ -584,19 +584,14 @@ def compile_sm90(kernel, examples: dict, constexprs: dict):
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    # in the kernel's parameter order (positions below are indices into it, whatever order the
-    # caller's dicts are in)
-    order = list(kernel.arg_names)
-    missing = [name for name in order if name not in examples and name not in constexprs]
-    assert not missing, f"no example or constexpr for {missing}"
-    examples = {name: examples[name] for name in order if name in examples}
-    constexprs = {name: constexprs[name] for name in order if name in constexprs}
     # specialized as a launch would be: ints equal to 1 become constants, and pointers, ints and
     # strides divisible by 16 are marked so (alignment: wider loads)
     specs = {name: native_specialize_impl(CUDABackend, value, False, True, True) for name, value in examples.items()}
-    signature = {name: spec[0] for name, spec in specs.items()}
-    signature.update({name: "constexpr" for name in constexprs})
-    names = list(signature)
+    # signature and positions follow the kernel's parameters, whatever order the caller's dicts are in
+    names = list(kernel.arg_names)
+    missing = [name for name in names if name not in specs and name not in constexprs]
+    assert not missing, f"no example or constexpr for {missing}"
+    signature = {name: "constexpr" if name in constexprs else specs[name][0] for name in names}
     positions = {(names.index(name),): value for name, value in constexprs.items()}
     positions.update({(names.index(name),): examples[name] for name, spec in specs.items() if spec[0] == "constexpr"})
     attrs = {(names.index(name),): CUDABackend.parse_attr(spec[1]) for name, spec in specs.items()
