@@ -288,6 +288,22 @@ if GLUON_IMPORT_ERROR is None:
         _tma_reduce_add(dq_desc, [row, col], dq_smem)
 
     @gluon.jit
+    def _by_row(x, ROWS: gl.constexpr):
+        """A row vector broadcast over the score tile: [rows, keys] (ROWS) or [keys, rows]."""
+        if ROWS:
+            return x[:, None]
+        else:
+            return x[None, :]
+
+    @gluon.jit
+    def _by_key(x, ROWS: gl.constexpr):
+        """A key vector broadcast over the score tile (see `_by_row`)."""
+        if ROWS:
+            return x[None, :]
+        else:
+            return x[:, None]
+
+    @gluon.jit
     def _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
                    TAIL: gl.constexpr, GQA2: gl.constexpr):
         """Step i's first query row (sequence-local), the first row it owns (TAIL: earlier ones
@@ -334,21 +350,25 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr):
+                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr, ROWS: gl.constexpr,
+                      DIAG: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction: at
         D=128 each warpgroup its 64 columns, at D=64 one warpgroup all 64 (turns by tile parity)."""
         HALF: gl.constexpr = 64
+        # the score tiles: [rows, keys] (ROWS: S = q k^T, the rows across the warpgroup's M
+        # dimension, a thread's statistics two rows) or [keys, rows] (S^T = k q^T, sixteen rows)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])  # [keys, rows]
+                                                           instr_shape=[16, 64, 16])
         d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])  # [keys or rows, D]
-        key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        key_layout: gl.constexpr = gl.SliceLayout(0 if ROWS else 1, s_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(1 if ROWS else 0, s_layout)
         o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
         ka1 = k1_smem.slice(WG * HALF, HALF)
         ka2 = k2_smem.slice(WG * HALF, HALF)
+        gl.static_assert(BLOCK_M == HALF)  # (the layout above: both dims of a score tile 64)
         zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # [rows, 64 of D]
@@ -366,106 +386,148 @@ if GLUON_IMPORT_ERROR is None:
         o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout)).to(gl.int64)
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
         mbarrier.wait(k_bar, 0)
-        for i in range(n_tiles):
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                      is_async=True)
-            t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                      is_async=True)
-            tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M,
-                                                     LISTED, TAIL, GQA2)
-            o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
-            # the rows' statistics straight into the score layout (16 rows a thread from one 64-bit
-            # base; before the ninth session one a thread, spread by three layout conversions)
-            lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
-                                        stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
-            lse1 = lse1 * 1.4426950408889634
-            lse2 = lse2 * 1.4426950408889634
-            if BOTH:  # the row's expectation E (natural units), as backward._row_stats
-                e_row = gl.load(EXPECT + o_stat + (o_stat * 0 + tile_row0) * stride_sn
-                                + gl.arange(0, BLOCK_M, layout=row_layout).to(gl.int64) * stride_sn)
-            g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
-            if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
-                lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
-                lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-            st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-            if LISTED:
-                visit = i // 2
-                if visit < n_full_listed:
-                    p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
-                    q = gl.exp2(st2 * scale2 - lse2[None, :])
-                    ds = g[None, :] * (q - p)
-                else:  # a partial pair: backward._tile_dscores's masks, transposed
-                    tile_flags = gl.load(flags_list + visit).to(gl.int32)
-                    a1, a2 = _listed_allowed(o_i[None, :], o_j[:, None], tile_flags, len_q, len_k,
-                                             window_left, window_right)
-                    p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[None, :])
-                    q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[None, :])
-                    ds = gl.where(a2, g[None, :] * (q - p), 0.0)  # dS2 kept to side 2's support
+        # DIAG (causal, dense whole tiles, no GQA): two loops, the steps on the diagonal (masked) then
+        # the rest (no mask: with BOTH the masks' registers made ptxas spill in every step)
+        if DIAG:
+            x = gl.maximum(k0 + 2 * HALF - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
+            n_diag = gl.minimum(gl.maximum((x + BLOCK_M - 1) // BLOCK_M - first_tile, 0), n_tiles)
+        else:
+            n_diag = n_tiles
+        for phase in gl.static_range(2 if DIAG else 1):
+            if phase == 0:
+                i_lo = n_diag * 0
+                i_hi = n_diag
             else:
-                p = gl.exp2(st1 * scale1 - lse1[None, :])  # [keys, rows]
-                q = gl.exp2(st2 * scale2 - lse2[None, :])
-                if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
-                    allowed = (o_j >= k_fresh)[:, None] & (o_i >= fresh_row0)[None, :]
-                    if CAUSAL:
-                        allowed = allowed & (o_j[:, None] <= (o_i + offset)[None, :])
-                    p = gl.where(allowed, p, 0.0)
-                    q = gl.where(allowed, q, 0.0)
-                elif CAUSAL:
-                    allowed = o_j[:, None] <= (o_i + offset)[None, :]
-                    p = gl.where(allowed, p, 0.0)
-                    q = gl.where(allowed, q, 0.0)
-                ds = g[None, :] * (q - p)
-                if BOTH:  # dS1 = g p ((s1 - s2) ln 2 - E); 0 where p is
-                    ds1 = g[None, :] * p * ((st1 * scale1 - st2 * scale2) * 0.6931471805599453 - e_row[None, :])
-            ds_t = ds.to(ds_smem.dtype)  # dS2^T [keys, rows], in the input dtype
-            # dS2^T through shared memory: dk2 += dS2^T q2 reads this half as is, dq2 = dS2 k2 both
-            # halves transposed. Buffer i % 2: its previous readers (tile i - 2) are done, since the
-            # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
-            ds_all = ds_smem.index(i % 2)
-            ds_own = ds_all.slice(WG * HALF, HALF)
-            ds_own.store(ds_t)
-            if BOTH:
-                ds1_all = ds1_smem.index(i % 2)
-                ds1_own = ds1_all.slice(WG * HALF, HALF)
-                ds1_own.store(ds1.to(ds_smem.dtype))
-            hopper.fence_async_shared()
-            mbarrier.arrive(ds_bar.index(i % 2), count=1)
-            dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
-            if BOTH:
-                dk1 = hopper.warpgroup_mma(ds1_own, q1_smem.index(slot), dk1, is_async=True)
-                dk, dk1 = hopper.warpgroup_mma_wait(0, deps=[dk, dk1])
-            else:
-                dk = hopper.warpgroup_mma_wait(0, deps=[dk])
-            mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
-            o_step = o_dq
-            if GQA2:
-                o_step = o_dq + h_in * stride_dqh
-            # the dq2 tile's addresses: a 64-bit base from this step's first row, 32-bit row
-            # offsets inside the tile, then the columns added in 64 bits, which ptxas folds into
-            # immediate offsets of each thread's two row addresses (32-bit row + column offsets,
-            # as before the ninth session, were 32 values hoisted out of the loop and spilled)
-            p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
-            p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-            if D > 64:
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                if DQ_TMA:  # this warpgroup's [64, 64] piece by one TMA bulk reduction
-                    _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D + WG * 64)
-                    if BOTH:  # dq1 through the same shared tile, once the TMA unit has read dq2's
-                        dq1 = hopper.warpgroup_mma(ds1_all.permute((1, 0)), kb1, zero_q, use_acc=False)
-                        _reduce_dq(dq1_desc, dq_smem, dq1 * out_scale1, q_row + tile_row0,
-                                   dq_col + h_in * D + WG * 64)
+                i_lo = n_diag
+                i_hi = n_tiles
+            for i in range(i_lo, i_hi):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                if ROWS:
+                    t1 = hopper.warpgroup_mma(q1_smem.index(slot), ka1.permute((1, 0)), zero_s, use_acc=False,
+                                              is_async=True)
+                    t2 = hopper.warpgroup_mma(q2_smem.index(slot), ka2.permute((1, 0)), zero_s, use_acc=False,
+                                              is_async=True)
                 else:
-                    _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
-            elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-                dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
-                if DQ_TMA:
-                    _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
+                    t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                              is_async=True)
+                    t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                              is_async=True)
+                tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M,
+                                                         LISTED, TAIL, GQA2)
+                o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
+                # the rows' statistics straight into the score layout (16 rows a thread from one 64-bit
+                # base; before the ninth session one a thread, spread by three layout conversions)
+                lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
+                                            stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
+                lse1 = lse1 * 1.4426950408889634
+                lse2 = lse2 * 1.4426950408889634
+                if BOTH:  # minus the row's KL: (lse1 - lse2) - E in natural units (E as backward._row_stats;
+                    # lse1, lse2 are in log2 units here)
+                    e_row = gl.load(EXPECT + o_stat + (o_stat * 0 + tile_row0) * stride_sn
+                                    + gl.arange(0, BLOCK_M, layout=row_layout).to(gl.int64) * stride_sn)
+                    e_row = (lse1 - lse2) * 0.6931471805599453 - e_row
+                g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
+                if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
+                    lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
+                    lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+                st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+                if LISTED:
+                    visit = i // 2
+                    if visit < n_full_listed:
+                        p = gl.exp2(st1 * scale1 - _by_row(lse1, ROWS))
+                        q = gl.exp2(st2 * scale2 - _by_row(lse2, ROWS))
+                        ds = _by_row(g, ROWS) * (q - p)
+                    else:  # a partial pair: backward._tile_dscores's masks, transposed
+                        tile_flags = gl.load(flags_list + visit).to(gl.int32)
+                        a1, a2 = _listed_allowed(_by_row(o_i, ROWS), _by_key(o_j, ROWS), tile_flags, len_q, len_k,
+                                                 window_left, window_right)
+                        p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - _by_row(lse1, ROWS))
+                        q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - _by_row(lse2, ROWS))
+                        ds = gl.where(a2, _by_row(g, ROWS) * (q - p), 0.0)  # dS2 kept to side 2's support
                 else:
-                    _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
+                    if BOTH:  # t = log2(p / q) first, so that p, q and t are all that stay live (registers)
+                        a2 = st2 * scale2 - _by_row(lse2, ROWS)
+                        t = st1 * scale1 - _by_row(lse1, ROWS) - a2
+                        p = gl.exp2(a2 + t)
+                        q = gl.exp2(a2)
+                    else:
+                        p = gl.exp2(st1 * scale1 - _by_row(lse1, ROWS))
+                        q = gl.exp2(st2 * scale2 - _by_row(lse2, ROWS))
+                    if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
+                        allowed = _by_key(o_j >= k_fresh, ROWS) & _by_row(o_i >= fresh_row0, ROWS)
+                        if CAUSAL:
+                            allowed = allowed & (_by_key(o_j, ROWS) <= _by_row(o_i + offset, ROWS))
+                        p = gl.where(allowed, p, 0.0)
+                        q = gl.where(allowed, q, 0.0)
+                    elif CAUSAL and (phase == 0 or not DIAG):  # DIAG: the steps after the diagonal's need no mask
+                        allowed = _by_key(o_j, ROWS) <= _by_row(o_i + offset, ROWS)
+                        p = gl.where(allowed, p, 0.0)
+                        q = gl.where(allowed, q, 0.0)
+                    ds = _by_row(g, ROWS) * (q - p)
+                    if BOTH:  # dS1 = g p (ln(p / q) - KL) = g p ((s1 - s2) ln 2 - E); 0 where p is
+                        ds1 = _by_row(g, ROWS) * p * (t * 0.6931471805599453 + _by_row(e_row, ROWS))
+                ds_t = ds.to(ds_smem.dtype)  # this warpgroup's dS2 (ROWS) or dS2^T, in the input dtype
+                # dS2 through shared memory, the tile's [rows, 128 keys] (ROWS; the warpgroups' halves
+                # side by side) or [128 keys, rows]: dk2 += dS2^T q2 reads this warpgroup's half, dq2 =
+                # dS2 k2 both. Buffer i % 2: its previous readers (tile i - 2) are done, since the
+                # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
+                ds_all = ds_smem.index(i % 2)
+                ds_own = ds_all.slice(WG * HALF, HALF, dim=1 if ROWS else 0)
+                ds_own.store(ds_t)
+                if BOTH:
+                    ds1_all = ds1_smem.index(i % 2)
+                    ds1_own = ds1_all.slice(WG * HALF, HALF, dim=1 if ROWS else 0)
+                    ds1_own.store(ds1.to(ds_smem.dtype))
+                hopper.fence_async_shared()
+                mbarrier.arrive(ds_bar.index(i % 2), count=1)
+                if ROWS:  # dS^T as a transposed (MN-major) shared operand
+                    ds_own = ds_own.permute((1, 0))
+                    if BOTH:
+                        ds1_own = ds1_own.permute((1, 0))
+                dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
+                if BOTH:
+                    dk1 = hopper.warpgroup_mma(ds1_own, q1_smem.index(slot), dk1, is_async=True)
+                    dk, dk1 = hopper.warpgroup_mma_wait(0, deps=[dk, dk1])
+                else:
+                    dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
+                o_step = o_dq
+                if GQA2:
+                    o_step = o_dq + h_in * stride_dqh
+                # the dq2 tile's addresses: a 64-bit base from this step's first row, 32-bit row
+                # offsets inside the tile, then the columns added in 64 bits, which ptxas folds into
+                # immediate offsets of each thread's two row addresses (32-bit row + column offsets,
+                # as before the ninth session, were 32 values hoisted out of the loop and spilled)
+                p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
+                p_rows = p_tile + (o_qd * stride_dqn)[:, None]
+                if D > 64:
+                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
+                    if ROWS:
+                        dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
+                    else:
+                        dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                    if DQ_TMA:  # this warpgroup's [64, 64] piece by one TMA bulk reduction
+                        _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D + WG * 64)
+                        if BOTH:  # dq1 through the same shared tile, once the TMA unit has read dq2's
+                            if ROWS:
+                                dq1 = hopper.warpgroup_mma(ds1_all, kb1, zero_q, use_acc=False)
+                            else:
+                                dq1 = hopper.warpgroup_mma(ds1_all.permute((1, 0)), kb1, zero_q, use_acc=False)
+                            _reduce_dq(dq1_desc, dq_smem, dq1 * out_scale1, q_row + tile_row0,
+                                       dq_col + h_in * D + WG * 64)
+                    else:
+                        _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
+                elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
+                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                    if ROWS:
+                        dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
+                    else:
+                        dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                    if DQ_TMA:
+                        _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
+                    else:
+                        _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
         if DQ_TMA:  # the last reduction has read its shared tile before the program's memory goes
             tma.store_wait(0)
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
@@ -488,14 +550,14 @@ if GLUON_IMPORT_ERROR is None:
                         n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr):
+                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr, ROWS: gl.constexpr, DIAG: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, ROWS, DIAG)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -517,7 +579,7 @@ if GLUON_IMPORT_ERROR is None:
         # in this launch's chunk of query heads, from head_lo)
         scale1, scale2, out_scale2, out_scale1, k_programs,
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        DS_LAYOUT: gl.constexpr,  # shared layout of the [128, BLOCK_M] dS^T tiles
+        DS_LAYOUT: gl.constexpr,  # shared layout of the dS tiles ([BLOCK_M, 128] if ROWS, else [128, BLOCK_M])
         LISTED: gl.constexpr,  # block masks or a window: walk the key schedule's query-tile lists
         NORM_G: gl.constexpr,  # float16: GRAD was divided by G_SCALE (backward.py's reason)
         VARLEN: gl.constexpr,  # packed sequences (lengths known on the host: `tile_fit`)
@@ -528,6 +590,8 @@ if GLUON_IMPORT_ERROR is None:
         DQ_LAYOUT: gl.constexpr,  # DQ_TMA: dq_desc's shared layout
         KEY_MAJOR: gl.constexpr,  # programs ordered key tile first (KEY_MAJOR_GRID)
         BOTH: gl.constexpr,  # (probe) side 1's gradients too
+        ROWS: gl.constexpr,  # score tiles [rows, keys] (ROW_SCORES), dS tiles [rows, 128 keys]
+        DIAG: gl.constexpr,  # causal, dense whole tiles, no GQA: unmasked steps after the diagonal's (DIAG_LOOPS)
     ):
         if KEY_MAJOR:
             n_bh = gl.num_programs(0) // k_programs
@@ -593,9 +657,15 @@ if GLUON_IMPORT_ERROR is None:
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
-        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)  # two buffers
+        if ROWS:  # two buffers
+            ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
+        else:
+            ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)
         if BOTH:
-            ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)
+            if ROWS:
+                ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
+            else:
+                ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)
             both = (ds1_smem, DK1, EXPECT, dq1_desc, out_scale1)
         else:
             both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
@@ -634,14 +704,16 @@ if GLUON_IMPORT_ERROR is None:
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                                 both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH)),
+                                 both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
+                                 ROWS, DIAG)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
-                                   both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH)),
+                                   both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
+                                   ROWS, DIAG)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -651,6 +723,23 @@ if GLUON_IMPORT_ERROR is None:
             [4, 1],
             [232, 40],
         )
+
+
+#: The score tiles as [rows, keys] (S = q k^T: a warpgroup's 64 rows across the wgmma M dimension,
+#: each thread holding two rows' statistics) rather than [keys, rows] (S^T = k q^T: sixteen rows a
+#: thread, so each step loads and keeps eight times as many statistics). dS is stored as [rows, 128
+#: keys] and read transposed by the dk products.
+ROW_SCORES = True
+
+#: Causal dense launches (whole tiles, no GQA) run the steps on the diagonal in one loop and the
+#: rest, which need no causal mask, in a second.
+DIAG_LOOPS = True
+
+
+def ds_shared_layout(dtype: torch.dtype):
+    """The shared layout of a step's dS tile: [64 rows, 128 keys] (ROW_SCORES) or [128, 64]."""
+    shape = [BLOCK_M, BLOCK_N] if ROW_SCORES else [BLOCK_N, BLOCK_M]
+    return gl.NVMMASharedLayout.get_default_for(shape, gl_dtype(dtype))
 
 
 def dq_layout():
@@ -709,11 +798,13 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         problem.seqlen_q, problem.seqlen_k, heads // group2, head_lo, group1, group2,
         scale1, scale2, scale2 * LN2, scale1 * LN2, k_programs,
     )  # fmt: skip
-    ds_layout = gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(problem.dtype))
+    ds_layout = ds_shared_layout(problem.dtype)
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
-                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=both is not None)
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=both is not None, ROWS=bool(ROW_SCORES))
+    constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
+        and group2 == 1
     if both is not None:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     programs = k_programs * problem.batch * (heads // group2)
@@ -833,9 +924,10 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, out_scale1=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
-                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, BLOCK_M], gl_dtype(dtype)), LISTED=listed,
+                      DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
-                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both)
+                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
+                      ROWS=bool(ROW_SCORES), DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
     if both:
         constexprs["STAGES"] = 2
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
