@@ -758,9 +758,10 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
 
 @gpu
 def test_gluon_both_sides_backward_matches_reference(monkeypatch):
-    """EXPERIMENTAL (branch wip/both-sides-probe, tenth session; written without a GPU, first GPU
-    run pending): all four gradients by the Gluon kernel with BOTH (`gluon_backward.BOTH_SIDES`),
-    dense whole tiles, D=128, bfloat16, against the float64 reference."""
+    """All four gradients by the Gluon kernel with BOTH (`gluon_backward.BOTH_SIDES`, the default
+    since the eleventh session, when this first ran on the H200): dense whole tiles, D=128, both
+    16-bit dtypes, causal (Nk > Nq too) or not, against the float64 reference; three gradients
+    of four, or a deterministic call, take backward.py."""
     from streamkl.backends.triton import gluon_backward
 
     _gluon()
@@ -770,10 +771,16 @@ def test_gluon_both_sides_backward_matches_reference(monkeypatch):
     calls = []
     original = gluon_backward.kl_backward_both
     monkeypatch.setattr(gluon_backward, "kl_backward_both", lambda *a: calls.append(1) or original(*a))
-    for (n_q, n_k), causal in (((256, 384), True), ((384, 384), False), ((256, 256), True)):
-        x = make_inputs((2, n_q), (2, n_k), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
+    for (n_q, n_k), causal, dtype in (((256, 384), True, torch.bfloat16), ((384, 384), False, torch.bfloat16),
+                                      ((256, 256), True, torch.float16), ((128, 512), False, torch.float16)):
+        x = make_inputs((2, n_q), (2, n_k), 4, (4, 4), (128, 128), dtype, DEVICE, (True, True, True, True))
         check_against_reference(x, "triton", causal=causal)
-    assert len(calls) == 3
+    assert len(calls) == 4
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (False, True, True, True))
+    check_against_reference(x, "triton", causal=True)
+    x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
+    check_against_reference(x, "triton", causal=True, deterministic=True)
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize(
@@ -927,6 +934,7 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         "    'backward causal, dq2 by TMA reductions': (True, lambda: b.compile_for_hopper(bf16, 128, True,"
         " tma_dq=True)),\n"
         "    'backward listed': (False, lambda: b.compile_for_hopper(bf16, 128, True, True)),\n"
+        "    'backward both sides causal': (False, lambda: b.compile_for_hopper(bf16, 128, True, both=True)),\n"
         "    'backward D64 packed tails gqa': (False, lambda: b.compile_for_hopper(fp16, 64, False, False, True, True,"
         " True, True)),\n"
         "}\n"

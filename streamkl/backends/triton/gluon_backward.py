@@ -1,9 +1,11 @@
-"""Hopper (sm_90) student backward in Gluon: the key-major pass of backward.py (dk2 in registers,
-dq2 added into a float32 buffer), warp-specialized like gluon_forward.py. The Triton backend's
+"""Hopper (sm_90) backward in Gluon: the key-major pass of backward.py (dk2 in registers, dq2
+added into a float32 buffer), warp-specialized like gluon_forward.py. The Triton backend's
 DEFAULT student backward on sm_90 where it was measured faster than backward.py (`chosen`): head
-dim 128, dense (causal or not, since the ninth session non-causal too), with block masks, or
-with a window (since the tenth session); elsewhere it runs when forced (`STREAMKL_GLUON=1` or
-`gluon_forward.USE_GLUON = True`). History (H200, N=16K, D=128, student backward;
+dim 128 or (since the eleventh session) 64, dense (causal or not, since the ninth session
+non-causal too), with block masks, or with a window (since the tenth session); elsewhere it runs
+when forced (`STREAMKL_GLUON=1` or `gluon_forward.USE_GLUON = True`). With BOTH (eleventh
+session, `applies_both`) the same kernel returns all four gradients: dS1 next to dS2, dk1 next
+to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student backward;
 `benchmarks/results/tune_h200.md`, rounds 11-22):
 - as first written (fifth session, each warpgroup adding its own [64, D] dq2 tile): correct on the
   GPU, 23.6 ms non-causal / 9.9 ms causal against backward.py's 14.8 / 7.8;
@@ -48,19 +50,26 @@ with a window (since the tenth session); elsewhere it runs when forced (`STREAMK
   wip/gluon-bwd-overlap, measured equal). Programs key tile first for causal launches of few
   waves (KEY_MAJOR_GRID): 1.43 against 1.74 ms at N=8K. Tried, within noise, removed (commit
   78ac1fa): the rows' statistics staged in shared memory by a warp of their own (STATS_SMEM),
-  dk2's and dq2's products in flight together (DK_DQ_TOGETHER).
+  dk2's and dq2's products in flight together (DK_DQ_TOGETHER);
+- eleventh session: the score tiles as [rows, keys] (S = q k^T, the rows across the wgmma M
+  dimension: two rows' statistics a thread, 12 global loads a step instead of 48; dS stored
+  [rows, 128 keys] and read transposed by the dk products): 9.78 against 10.68 ms non-causal,
+  5.12 against 5.50 causal (0.56x / 0.58x SDPA); D=64 6.02 / 3.26 against backward.py's 6.32 /
+  3.85, so the default at D=64 too; causal steps past the diagonal in a second, unmasked loop
+  (`DIAG_LOOPS`; equal for the student, 4 % for BOTH); BOTH (all four gradients) 15.88 / 9.61 ms
+  against backward.py's 21.83 / 10.81.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
-One program = one (128-key tile, sequence, head): a producer warp loads both sides' key tiles once,
-then streams the 64-row query tiles that see them (both sides) through an mbarrier ring; two
-consumer warpgroups own 64 keys each and, per query tile, take the transposed scores
-s^T = k q^T of both sides (async wgmma), p^T and q^T from the saved row statistics,
-dS2^T = g (q - p)^T, then dk2 += dS2^T q2 and dq2 += dS2 k2 (dS2^T through
-shared memory, which both products read), each warpgroup's [64, 64] piece of the dq2 tile added
-by a TMA bulk reduction from shared memory (`DQ_TMA`, since the tenth session; built through the
-Gluon builder, which has the op but no wrapper for it in Gluon 3.6), else by element atomics or
-vector reductions of column pairs (`DQ_VEC2`).
+One program = one (128-key tile, sequence, head): a producer warp loads both sides' key tiles
+once, then streams the 64-row query tiles that see them (both sides) through an mbarrier ring; two
+consumer warpgroups own 64 keys each and, per query tile, take the scores s = q k^T of both sides
+against their keys (async wgmma), p and q from the saved row statistics, dS2 = g (q - p), then dk2
++= dS2^T q2 and dq2 += dS2 k2 (dS2 through shared memory, which both products read), each
+warpgroup's [64, 64] piece of the dq2 tile added by a TMA bulk reduction from shared memory
+(`DQ_TMA`, since the tenth session; built through the Gluon builder, which has the op but no
+wrapper for it in Gluon 3.6), else by element atomics or vector reductions of column pairs
+(`DQ_VEC2`).
 
 Scope (`applies`): the student's gradients only (dq2, dk2), causal or not (Nk >= Nq), 16-bit
 (float16's upstream gradient rescaled by backward.rescaled_upstream), D 64 / 128 on both sides, no
@@ -117,22 +126,20 @@ def stages(dim: int) -> int:
 
 
 def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
-    """Whether this backward runs the Gluon kernel: where it applies, by default at head dim 128,
-    dense (causal or not; partial tiles, packed sequences and side-2 GQA included), with block
+    """Whether this backward runs the Gluon kernel: where it applies, by default at head dim 128
+    or 64, dense (causal or not; partial tiles, packed sequences and side-2 GQA included), with block
     masks or a window, where it was measured faster than backward.py (H200, N=16K, tenth session,
     dq2 by TMA reductions: 5.48 against 7.84 ms causal, 10.73 against 14.96 non-causal; forced
     scopes, causal / not: partial tiles N=16320 5.72 / 10.39 against 7.81 / 16.34, GQA 16/4 5.65 /
     11.06 against 7.97 / 15.64, 16 packed sequences of 1000-4000 tokens 3.15 / 5.14 against 4.60 /
     7.99, a window (1024, 0) 1.14 against 1.40 (slower before the TMA reductions: 1.48); 1.71
-    against 1.85 ms at 90 % block sparsity, seventh session); not at head dim 64 (7.18 against
-    6.32 ms non-causal; causal within 1 %, 3.82 against 3.86). Everywhere it applies when forced
-    (`gluon_forward.setting()`)."""
+    against 1.85 ms at 90 % block sparsity, seventh session); at head dim 64 since the eleventh
+    session's [rows, keys] score tiles (6.02 against 6.32 ms non-causal, 3.26 against 3.85 causal;
+    before, 7.18 / 3.82). Everywhere it applies when forced (`gluon_forward.setting()`)."""
     use = setting()
     if use is False:
         return False
     if use is None:
-        if problem.dim2 != 128:
-            return False
         if not listed(problem) and not TAILS_BY_DEFAULT and tile_fit(problem) != "whole":
             return False
     return applies(problem, q1, k1, q2, k2, needs, deterministic)
@@ -288,22 +295,6 @@ if GLUON_IMPORT_ERROR is None:
         _tma_reduce_add(dq_desc, [row, col], dq_smem)
 
     @gluon.jit
-    def _by_row(x, ROWS: gl.constexpr):
-        """A row vector broadcast over the score tile: [rows, keys] (ROWS) or [keys, rows]."""
-        if ROWS:
-            return x[:, None]
-        else:
-            return x[None, :]
-
-    @gluon.jit
-    def _by_key(x, ROWS: gl.constexpr):
-        """A key vector broadcast over the score tile (see `_by_row`)."""
-        if ROWS:
-            return x[None, :]
-        else:
-            return x[:, None]
-
-    @gluon.jit
     def _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
                    TAIL: gl.constexpr, GQA2: gl.constexpr):
         """Step i's first query row (sequence-local), the first row it owns (TAIL: earlier ones
@@ -350,21 +341,21 @@ if GLUON_IMPORT_ERROR is None:
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr, ROWS: gl.constexpr,
+                      VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
-        tile's dS2^T into shared memory (two buffers, alternating), then, once both warpgroups' halves
+        tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction: at
         D=128 each warpgroup its 64 columns, at D=64 one warpgroup all 64 (turns by tile parity)."""
         HALF: gl.constexpr = 64
-        # the score tiles: [rows, keys] (ROWS: S = q k^T, the rows across the warpgroup's M
-        # dimension, a thread's statistics two rows) or [keys, rows] (S^T = k q^T, sixteen rows)
+        # the score tiles [rows, keys] (S = q k^T: the rows across the wgmma M dimension, each thread
+        # two rows' statistics; as S^T = k q^T, before the eleventh session, sixteen rows' a thread)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])  # [keys or rows, D]
-        key_layout: gl.constexpr = gl.SliceLayout(0 if ROWS else 1, s_layout)
-        row_layout: gl.constexpr = gl.SliceLayout(1 if ROWS else 0, s_layout)
+        key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
         ka1 = k1_smem.slice(WG * HALF, HALF)
         ka2 = k2_smem.slice(WG * HALF, HALF)
@@ -379,7 +370,7 @@ if GLUON_IMPORT_ERROR is None:
             kb2 = k2_smem
         dk = gl.zeros([HALF, D], gl.float32, d_layout)
         ds1_smem, DK1, EXPECT, dq1_desc, out_scale1 = both
-        if BOTH:  # (probe) side 1's gradients too: dk1 in registers, dq1 by TMA reductions
+        if BOTH:  # side 1's gradients too: dk1 in registers, dq1 by TMA reductions
             dk1 = gl.zeros([HALF, D], gl.float32, d_layout)
             kb1 = k1_smem.slice(WG * 64, 64, dim=1)
         o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
@@ -403,16 +394,10 @@ if GLUON_IMPORT_ERROR is None:
             for i in range(i_lo, i_hi):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                if ROWS:
-                    t1 = hopper.warpgroup_mma(q1_smem.index(slot), ka1.permute((1, 0)), zero_s, use_acc=False,
-                                              is_async=True)
-                    t2 = hopper.warpgroup_mma(q2_smem.index(slot), ka2.permute((1, 0)), zero_s, use_acc=False,
-                                              is_async=True)
-                else:
-                    t1 = hopper.warpgroup_mma(ka1, q1_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                              is_async=True)
-                    t2 = hopper.warpgroup_mma(ka2, q2_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                              is_async=True)
+                t1 = hopper.warpgroup_mma(q1_smem.index(slot), ka1.permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                t2 = hopper.warpgroup_mma(q2_smem.index(slot), ka2.permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
                 tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M,
                                                          LISTED, TAIL, GQA2)
                 o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
@@ -435,56 +420,56 @@ if GLUON_IMPORT_ERROR is None:
                 if LISTED:
                     visit = i // 2
                     if visit < n_full_listed:
-                        p = gl.exp2(st1 * scale1 - _by_row(lse1, ROWS))
-                        q = gl.exp2(st2 * scale2 - _by_row(lse2, ROWS))
-                        ds = _by_row(g, ROWS) * (q - p)
+                        p = gl.exp2(st1 * scale1 - lse1[:, None])
+                        q = gl.exp2(st2 * scale2 - lse2[:, None])
+                        ds = g[:, None] * (q - p)
                     else:  # a partial pair: backward._tile_dscores's masks, transposed
                         tile_flags = gl.load(flags_list + visit).to(gl.int32)
-                        a1, a2 = _listed_allowed(_by_row(o_i, ROWS), _by_key(o_j, ROWS), tile_flags, len_q, len_k,
+                        a1, a2 = _listed_allowed(o_i[:, None], o_j[None, :], tile_flags, len_q, len_k,
                                                  window_left, window_right)
-                        p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - _by_row(lse1, ROWS))
-                        q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - _by_row(lse2, ROWS))
-                        ds = gl.where(a2, _by_row(g, ROWS) * (q - p), 0.0)  # dS2 kept to side 2's support
+                        p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[:, None])
+                        q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[:, None])
+                        ds = gl.where(a2, g[:, None] * (q - p), 0.0)  # dS2 kept to side 2's support
                 else:
                     if BOTH:  # t = log2(p / q) first, so that p, q and t are all that stay live (registers)
-                        a2 = st2 * scale2 - _by_row(lse2, ROWS)
-                        t = st1 * scale1 - _by_row(lse1, ROWS) - a2
+                        a2 = st2 * scale2 - lse2[:, None]
+                        t = st1 * scale1 - lse1[:, None] - a2
                         p = gl.exp2(a2 + t)
                         q = gl.exp2(a2)
                     else:
-                        p = gl.exp2(st1 * scale1 - _by_row(lse1, ROWS))
-                        q = gl.exp2(st2 * scale2 - _by_row(lse2, ROWS))
+                        p = gl.exp2(st1 * scale1 - lse1[:, None])
+                        q = gl.exp2(st2 * scale2 - lse2[:, None])
                     if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
-                        allowed = _by_key(o_j >= k_fresh, ROWS) & _by_row(o_i >= fresh_row0, ROWS)
+                        allowed = (o_j >= k_fresh)[None, :] & (o_i >= fresh_row0)[:, None]
                         if CAUSAL:
-                            allowed = allowed & (_by_key(o_j, ROWS) <= _by_row(o_i + offset, ROWS))
+                            allowed = allowed & (o_j[None, :] <= (o_i + offset)[:, None])
                         p = gl.where(allowed, p, 0.0)
                         q = gl.where(allowed, q, 0.0)
                     elif CAUSAL and (phase == 0 or not DIAG):  # DIAG: the steps after the diagonal's need no mask
-                        allowed = _by_key(o_j, ROWS) <= _by_row(o_i + offset, ROWS)
+                        allowed = o_j[None, :] <= (o_i + offset)[:, None]
                         p = gl.where(allowed, p, 0.0)
                         q = gl.where(allowed, q, 0.0)
-                    ds = _by_row(g, ROWS) * (q - p)
+                    ds = g[:, None] * (q - p)
                     if BOTH:  # dS1 = g p (ln(p / q) - KL) = g p ((s1 - s2) ln 2 - E); 0 where p is
-                        ds1 = _by_row(g, ROWS) * p * (t * 0.6931471805599453 + _by_row(e_row, ROWS))
-                ds_t = ds.to(ds_smem.dtype)  # this warpgroup's dS2 (ROWS) or dS2^T, in the input dtype
-                # dS2 through shared memory, the tile's [rows, 128 keys] (ROWS; the warpgroups' halves
-                # side by side) or [128 keys, rows]: dk2 += dS2^T q2 reads this warpgroup's half, dq2 =
-                # dS2 k2 both. Buffer i % 2: its previous readers (tile i - 2) are done, since the
-                # other warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
+                        ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
+                ds_t = ds.to(ds_smem.dtype)  # this warpgroup's [rows, keys] of dS2, in the input dtype
+                # dS2 through shared memory, the tile's [rows, 128 keys] (the warpgroups' halves side
+                # by side): dk2 += dS2^T q2 reads this warpgroup's half transposed, dq2 = dS2 k2 both.
+                # Buffer i % 2: its previous readers (tile i - 2) are done, since the other
+                # warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
                 ds_all = ds_smem.index(i % 2)
-                ds_own = ds_all.slice(WG * HALF, HALF, dim=1 if ROWS else 0)
+                ds_own = ds_all.slice(WG * HALF, HALF, dim=1)
                 ds_own.store(ds_t)
                 if BOTH:
                     ds1_all = ds1_smem.index(i % 2)
-                    ds1_own = ds1_all.slice(WG * HALF, HALF, dim=1 if ROWS else 0)
+                    ds1_own = ds1_all.slice(WG * HALF, HALF, dim=1)
                     ds1_own.store(ds1.to(ds_smem.dtype))
                 hopper.fence_async_shared()
                 mbarrier.arrive(ds_bar.index(i % 2), count=1)
-                if ROWS:  # dS^T as a transposed (MN-major) shared operand
-                    ds_own = ds_own.permute((1, 0))
-                    if BOTH:
-                        ds1_own = ds1_own.permute((1, 0))
+                # dS^T as a transposed (MN-major) shared operand
+                ds_own = ds_own.permute((1, 0))
+                if BOTH:
+                    ds1_own = ds1_own.permute((1, 0))
                 dk = hopper.warpgroup_mma(ds_own, q2_smem.index(slot), dk, is_async=True)
                 if BOTH:
                     dk1 = hopper.warpgroup_mma(ds1_own, q1_smem.index(slot), dk1, is_async=True)
@@ -503,27 +488,18 @@ if GLUON_IMPORT_ERROR is None:
                 p_rows = p_tile + (o_qd * stride_dqn)[:, None]
                 if D > 64:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                    if ROWS:
-                        dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
-                    else:
-                        dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                    dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:  # this warpgroup's [64, 64] piece by one TMA bulk reduction
                         _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D + WG * 64)
                         if BOTH:  # dq1 through the same shared tile, once the TMA unit has read dq2's
-                            if ROWS:
-                                dq1 = hopper.warpgroup_mma(ds1_all, kb1, zero_q, use_acc=False)
-                            else:
-                                dq1 = hopper.warpgroup_mma(ds1_all.permute((1, 0)), kb1, zero_q, use_acc=False)
+                            dq1 = hopper.warpgroup_mma(ds1_all, kb1, zero_q, use_acc=False)
                             _reduce_dq(dq1_desc, dq_smem, dq1 * out_scale1, q_row + tile_row0,
                                        dq_col + h_in * D + WG * 64)
                     else:
                         _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
                 elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-                    if ROWS:
-                        dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
-                    else:
-                        dq = hopper.warpgroup_mma(ds_all.permute((1, 0)), kb2, zero_q, use_acc=False)
+                    dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:
                         _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
                     else:
@@ -537,7 +513,7 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(p_dk, (dk * out_scale2).to(DK2.dtype.element_ty), mask=own)
         else:
             gl.store(p_dk, (dk * out_scale2).to(DK2.dtype.element_ty))
-        if BOTH:  # (probe: whole tiles only)
+        if BOTH:  # (whole tiles only: `applies_both`)
             p_dk1 = DK1 + o_dk + keys[:, None] * stride_dkn + o_d[None, :]
             gl.store(p_dk1, (dk1 * out_scale1).to(DK1.dtype.element_ty))
 
@@ -550,21 +526,21 @@ if GLUON_IMPORT_ERROR is None:
                         n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr, ROWS: gl.constexpr, DIAG: gl.constexpr):
+                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, ROWS, DIAG)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
         LSE1, LSE2, GRAD, DQ2, DK2,
         dq_desc,  # DQ_TMA: the float32 dq2 buffer as 2-D [B * N, heads * D], [64, 64] boxes; else unused
-        DK1, EXPECT, dq1_desc,  # BOTH (probe): side 1's dk, the rows' E, its float32 dq buffer
+        DK1, EXPECT, dq1_desc,  # BOTH: side 1's dk, the rows' E, its float32 dq buffer
         G_SCALE,  # NORM_G (float16): what GRAD was divided by
         CU_Q, CU_K,  # VARLEN: cu_seqlens (int32); else unused
         Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,  # LISTED: the key-major schedule (128 x 128 tiles); else unused
@@ -579,7 +555,7 @@ if GLUON_IMPORT_ERROR is None:
         # in this launch's chunk of query heads, from head_lo)
         scale1, scale2, out_scale2, out_scale1, k_programs,
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        DS_LAYOUT: gl.constexpr,  # shared layout of the dS tiles ([BLOCK_M, 128] if ROWS, else [128, BLOCK_M])
+        DS_LAYOUT: gl.constexpr,  # shared layout of the [BLOCK_M, 128] dS tiles
         LISTED: gl.constexpr,  # block masks or a window: walk the key schedule's query-tile lists
         NORM_G: gl.constexpr,  # float16: GRAD was divided by G_SCALE (backward.py's reason)
         VARLEN: gl.constexpr,  # packed sequences (lengths known on the host: `tile_fit`)
@@ -589,8 +565,7 @@ if GLUON_IMPORT_ERROR is None:
         DQ_TMA: gl.constexpr,  # dq2 added by TMA bulk reductions of [64, 64] tiles (VEC unused)
         DQ_LAYOUT: gl.constexpr,  # DQ_TMA: dq_desc's shared layout
         KEY_MAJOR: gl.constexpr,  # programs ordered key tile first (KEY_MAJOR_GRID)
-        BOTH: gl.constexpr,  # (probe) side 1's gradients too
-        ROWS: gl.constexpr,  # score tiles [rows, keys] (ROW_SCORES), dS tiles [rows, 128 keys]
+        BOTH: gl.constexpr,  # side 1's gradients too (BOTH_SIDES)
         DIAG: gl.constexpr,  # causal, dense whole tiles, no GQA: unmasked steps after the diagonal's (DIAG_LOOPS)
     ):
         if KEY_MAJOR:
@@ -657,15 +632,10 @@ if GLUON_IMPORT_ERROR is None:
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
-        if ROWS:  # two buffers
-            ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
-        else:
-            ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)
+        # two buffers
+        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
         if BOTH:
-            if ROWS:
-                ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
-            else:
-                ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, 128, BLOCK_M], DS_LAYOUT)
+            ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
             both = (ds1_smem, DK1, EXPECT, dq1_desc, out_scale1)
         else:
             both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
@@ -705,7 +675,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 ROWS, DIAG)),
+                                 DIAG)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -713,7 +683,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   ROWS, DIAG)),
+                                   DIAG)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -725,21 +695,14 @@ if GLUON_IMPORT_ERROR is None:
         )
 
 
-#: The score tiles as [rows, keys] (S = q k^T: a warpgroup's 64 rows across the wgmma M dimension,
-#: each thread holding two rows' statistics) rather than [keys, rows] (S^T = k q^T: sixteen rows a
-#: thread, so each step loads and keeps eight times as many statistics). dS is stored as [rows, 128
-#: keys] and read transposed by the dk products.
-ROW_SCORES = True
-
 #: Causal dense launches (whole tiles, no GQA) run the steps on the diagonal in one loop and the
 #: rest, which need no causal mask, in a second.
 DIAG_LOOPS = True
 
 
 def ds_shared_layout(dtype: torch.dtype):
-    """The shared layout of a step's dS tile: [64 rows, 128 keys] (ROW_SCORES) or [128, 64]."""
-    shape = [BLOCK_M, BLOCK_N] if ROW_SCORES else [BLOCK_N, BLOCK_M]
-    return gl.NVMMASharedLayout.get_default_for(shape, gl_dtype(dtype))
+    """The shared layout of a step's dS tile, [64 rows, 128 keys]."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl_dtype(dtype))
 
 
 def dq_layout():
@@ -802,7 +765,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
-                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=both is not None, ROWS=bool(ROW_SCORES))
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=both is not None)
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
     if both is not None:  # two query stages: the second dS^T pair takes the third's room
@@ -812,22 +775,24 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     return (programs,), args, constexprs
 
 
-#: Experimental (tenth session, written without a GPU, NOT yet run on one): both sides' gradients
-#: by the same kernel (BOTH: dS1 = g p ((s1 - s2) ln 2 - E) next to dS2, dk1 in registers next to
-#: dk2, dq1 by TMA reductions after dq2's; 6 products a step against the two-kernel path's 8).
-#: ptxas spills ~0.5 KB (registers: dk1 + dk2 128, scores 64, row statistics 64). Used only where
-#: this is True and `applies_both` holds; tests and A/B set it.
-BOTH_SIDES = False
+#: Both sides' gradients by the same kernel where `applies_both` holds (BOTH: dS1 = g p (ln(p / q)
+#: - KL) next to dS2, dk1 in registers next to dk2, dq1 by TMA reductions after dq2's; 6 products a
+#: step against backward.py's two kernels' 8). Written in the tenth session, first run in the
+#: eleventh (H200, N=16K, D=128, bf16, all four gradients): 15.88 against 21.83 ms non-causal,
+#: 9.61 against 10.81 causal. ptxas spills ~0.1 KB non-causal (loop-invariant scalars: a few local
+#: loads a step); dk1 + dk2 take 128 of the consumer's 232 registers.
+BOTH_SIDES = True
 
 
 def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
-    """The BOTH probe's scope: all four gradients, bfloat16, D=128 on both sides, no GQA, dense
-    sequences of whole tiles (causal or not), no block masks or window."""
+    """Whether all four gradients come from the Gluon kernel with BOTH: 16-bit inputs, D=128 on
+    both sides, no GQA, dense sequences of whole tiles (causal or not), no block masks or window;
+    sm_90; not deterministic; STREAMKL_GLUON not 0."""
     if not BOTH_SIDES or GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
         return False
     if setting() is False:  # STREAMKL_GLUON=0 / USE_GLUON = False
         return False
-    if tuple(needs) != (True, True, True, True) or problem.dtype != torch.bfloat16:
+    if tuple(needs) != (True, True, True, True) or problem.dtype not in (torch.bfloat16, torch.float16):
         return False
     if (problem.dim1, problem.dim2) != (128, 128) or problem.heads_k1 != problem.heads:
         return False
@@ -927,7 +892,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                       DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
-                      ROWS=bool(ROW_SCORES), DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
+                      DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
     if both:
         constexprs["STAGES"] = 2
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
