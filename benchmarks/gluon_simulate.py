@@ -12,6 +12,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     /tmp/tvenv/bin/pip install ml_dtypes anytree z3-solver==4.15.3.0 pyarrow tqdm flask
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py        # ~15 s: eight problems
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward    # the student backward (gluon_backward.py)
+    ... --backward --atomics    # with dq2 added by atomics (DQ_TMA off);  --backward --both: all four gradients
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -398,7 +399,11 @@ def main():
     ]
     if "--new" in sys.argv:
         backward_cases = backward_cases[19:]
-    if "--both" in sys.argv:  # (branch wip/both-sides-probe) the kernel with BOTH
+    if "--atomics" in sys.argv:  # dq2 by atomics (DQ_TMA off; DQ_VEC2 as the problem's default)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.DQ_TMA = False
+    if "--both" in sys.argv:  # the kernel with BOTH (all four gradients)
         worst = max(simulate_both(triton_viz, client, *case) for case in
                     ((1, 128, 128, 1, False), (1, 128, 256, 2, True), (2, 256, 256, 2, True), (1, 192, 384, 1, False)))
         print(f"worst relative error {worst:.1e}")

@@ -11,6 +11,7 @@ Then it times Triton's launch path against launching the kernel it compiled dire
 (`CompiledKernel.run` with the same arguments): what a launch cache could save.
 
     python benchmarks/host_timeline.py --out DIR        # CUDA GPU; writes DIR/host_timeline.jsonl
+    python benchmarks/host_timeline.py --out DIR --n 16384 --heads 16 --torch-ops   # the suite's shape
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ def instrument():
                    forward._kl_fwd_kernel, backward._kl_bwd_kv_kernel, backward._kl_bwd_dq_kernel):
         _wrap(kernel, "run", f"launch:{kernel.fn.__name__}")
     _wrap(torch.Tensor, "backward", "Tensor.backward")
+
+
+def instrument_torch_ops():
+    """The torch calls of the front end and the backends' Python code (allocations, copies)."""
+    for name in ("empty", "zeros", "empty_like", "zeros_like", "where", "count_nonzero", "ones_like"):
+        _wrap(torch, name, f"torch.{name}")
+    for name in ("to", "contiguous", "zero_", "copy_", "float", "sum", "mean", "__truediv__", "clamp_", "view",
+                 "transpose", "amax"):
+        _wrap(torch.Tensor, name, f"Tensor.{name}")
 
 
 def inputs_for(args, sparsity, mode):
@@ -189,11 +199,14 @@ def main():
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--torch-ops", action="store_true", help="time the torch calls too")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [launch_paths(args)]
     print(json.dumps(rows[0]), flush=True)
     instrument()
+    if args.torch_ops:
+        instrument_torch_ops()
     for sparsity in (None, 0.9):
         for mode in ("forward", "student", "all"):
             row = timeline(args, sparsity, mode)

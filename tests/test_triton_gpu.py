@@ -560,8 +560,8 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     monkeypatch.delenv("STREAMKL_GLUON", raising=False)
     monkeypatch.setattr(gluon_forward, "OVERLAP", False)
 
-    def case(dims=(128, 128), n=(256, 256), dtype=torch.bfloat16, **kwargs):
-        x = make_inputs((2, n[0]), (2, n[1]), 4, (2, 4), dims, dtype, "cpu")
+    def case(dims=(128, 128), n=(256, 256), dtype=torch.bfloat16, heads_k=(2, 4), **kwargs):
+        x = make_inputs((2, n[0]), (2, n[1]), 4, heads_k, dims, dtype, "cpu")
         problem = dataclasses.replace(build_problem(*x, **kwargs), device=torch.device("cuda", 0))
         return problem, x
 
@@ -636,8 +636,28 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert backward_default_and_forced(*case(window=(64, 64))) == (True, True)
     assert backward_default_and_forced(*case(mask1=mask, mask2=mask)) == (True, True)
     assert backward_default_and_forced(*case(mask2=mask, window=(64, 64))) == (True, True)
-    assert backward_default_and_forced(*case(causal=True, dims=(64, 64))) == (False, True)
+    # D=64 by default since the eleventh session (the [rows, keys] score tiles made it faster)
+    assert backward_default_and_forced(*case(causal=True, dims=(64, 64))) == (True, True)
     assert backward_default_and_forced(*case(causal=True), (True, True, True, True)) == (False, False)
+    # all four gradients: the BOTH kernel (eleventh session), dense whole tiles at D=128 only
+    everything = (True, True, True, True)
+
+    def both(problem_x, needs=everything, deterministic=False):
+        return gluon_backward.applies_both(problem_x[0], *problem_x[1], needs, deterministic)
+
+    mha = dict(heads_k=(4, 4))
+    assert both(case(causal=True, **mha))
+    assert not both(case(causal=True))  # side-1 GQA
+    assert both(case(**mha))
+    assert not both(case(causal=True, **mha), deterministic=True)
+    assert not both(case(causal=True, **mha), (False, True, True, True))
+    assert not both(case(causal=True, **mha), student)
+    assert not both(case(causal=True, dims=(64, 64), **mha))
+    assert not both(case(mask1=mask, mask2=mask, **mha))
+    assert not both(case(causal=True, n=(200, 300), **mha))  # partial tiles
+    monkeypatch.setattr(gluon_backward, "BOTH_SIDES", False)
+    assert not both(case(causal=True, **mha))
+    monkeypatch.setattr(gluon_backward, "BOTH_SIDES", True)
     assert backward_default_and_forced(*case(causal=True), student, True) == (False, False)
     monkeypatch.setenv("STREAMKL_GLUON", "0")
     assert backward_default_and_forced(*case(causal=True))[0] is False  # (USE_GLUON=True outranks it)
