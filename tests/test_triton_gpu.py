@@ -655,6 +655,9 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert not both(case(causal=True, dims=(64, 64), **mha))
     assert not both(case(mask1=mask, mask2=mask, **mha))
     assert not both(case(causal=True, n=(200, 300), **mha))  # partial tiles
+    monkeypatch.setattr(gluon_backward, "DQ_TMA", False)  # dq1 goes by TMA reductions only
+    assert not both(case(causal=True, **mha))
+    monkeypatch.setattr(gluon_backward, "DQ_TMA", True)
     monkeypatch.setattr(gluon_backward, "BOTH_SIDES", False)
     assert not both(case(causal=True, **mha))
     monkeypatch.setattr(gluon_backward, "BOTH_SIDES", True)
@@ -1074,8 +1077,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     assert len(calls) == len(cases) + 14
     calls.clear()
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
-    check_against_reference(x, "triton", causal=True)  # both sides' gradients: backward.py
-    assert not calls
+    check_against_reference(x, "triton", causal=True)  # both sides' gradients: with TMA, the BOTH kernel
+    assert not calls  # (not the student entry point), with atomics backward.py (BOTH adds dq1 by TMA only)
     # float16 (the upstream gradient rescaled to a peak of 64, as backward.py does; first run on
     # the H200 in the seventh session): a long mean-reduced loss, whose g ~ 1 / (N H)
     x = make_inputs((1, 2048), (1, 2048), 4, (2, 4), (128, 128), torch.float16, DEVICE, (False, False, True, True))

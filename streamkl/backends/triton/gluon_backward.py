@@ -787,8 +787,10 @@ BOTH_SIDES = True
 def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
     """Whether all four gradients come from the Gluon kernel with BOTH: 16-bit inputs, D=128 on
     both sides, no GQA, dense sequences of whole tiles (causal or not), no block masks or window;
-    sm_90; not deterministic; STREAMKL_GLUON not 0."""
+    sm_90; not deterministic; STREAMKL_GLUON not 0; dq by TMA reductions (`DQ_TMA`)."""
     if not BOTH_SIDES or GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
+        return False
+    if not DQ_TMA:  # dq1 is added by TMA reductions only
         return False
     if setting() is False:  # STREAMKL_GLUON=0 / USE_GLUON = False
         return False
