@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from streamkl.autograd import kl_forward
+from streamkl.autograd import kl_forward, reduce_rows  # noqa: F401  (reduce_rows: also this module's)
 from streamkl.dispatch import choose_backend
-from streamkl.problem import build_problem, check_output_options, structural_row_count
-
-NEG_INF = float("-inf")
+from streamkl.problem import build_problem, check_output_options
 
 
 def kl(
@@ -58,8 +56,7 @@ def kl(
         check_values=cu_seqlens is not None and _may_sync(),  # only varlen checks read values
     )
     impl = choose_backend(problem, backend)
-    kl_rows, lse1, lse2 = kl_forward(problem, impl, q1, k1, q2, k2)
-    out = reduce_rows(kl_rows, lse1, reduction, problem)
+    out, lse1, lse2 = kl_forward(problem, impl, q1, k1, q2, k2, reduction)
     if return_lse:
         return out, lse1.detach(), lse2.detach()
     return out
@@ -70,20 +67,3 @@ def _may_sync() -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str, problem=None) -> torch.Tensor:
-    """The SPEC's reductions; `mean` divides by the rows whose side-1 support is non-empty."""
-    if reduction == "none":
-        return kl_rows
-    if reduction == "sum":
-        return kl_rows.sum()
-    count = None if problem is None else structural_row_count(problem)
-    if count is not None and count == kl_rows.numel() > 0:  # every row counts: one kernel, one autograd node
-        return kl_rows.mean()
-    total = kl_rows.sum()
-    if count is not None:  # no device op, no temporary
-        return total / max(count, 1)
-    # a side-1 block mask (or varlen lengths unknown on the host): count the rows lse1 says are
-    # non-empty; count_nonzero makes no int64 copy of the mask (a bool .sum() does on some devices)
-    return total / torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)

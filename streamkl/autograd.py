@@ -15,8 +15,10 @@ import torch
 
 from streamkl.backends.base import Backend, empty_rows_to_zero
 from streamkl.dispatch import get_backend
-from streamkl.problem import Problem, SideMask, describe_problem
+from streamkl.problem import Problem, SideMask, describe_problem, structural_row_count
 from streamkl.sparse.schedule import get_schedule
+
+NEG_INF = float("-inf")
 
 # ints carried through the op, in this order
 _INT_FIELDS = (
@@ -187,6 +189,39 @@ def _backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
 torch.library.register_autograd("streamkl::kl_forward", _backward, setup_context=_setup_context)
 
 
+# ------------------------------------------------------------------------------ reductions
+def mean_count(kl_rows: torch.Tensor, lse1: torch.Tensor, problem: Problem | None = None):
+    """What `mean` divides by: the rows whose side-1 support is non-empty, at least 1. A host int
+    where the structure says it (`structural_row_count`), else a device tensor (no sync)."""
+    count = None if problem is None else structural_row_count(problem)
+    if count is not None:
+        return max(count, 1)
+    # a side-1 block mask (or varlen lengths unknown on the host): count the rows lse1 says are
+    # non-empty; count_nonzero makes no int64 copy of the mask (a bool .sum() does on some devices)
+    return torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)
+
+
+def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str, problem=None, count=None):
+    """The SPEC's reductions; `mean` divides by the rows whose side-1 support is non-empty
+    (`count`: `mean_count`'s, computed here if not given)."""
+    if reduction == "none":
+        return kl_rows
+    if reduction == "sum":
+        return kl_rows.sum()
+    count = mean_count(kl_rows, lse1, problem) if count is None else count
+    if type(count) is int and count == kl_rows.numel():  # every row counts: one kernel
+        return kl_rows.mean()
+    return kl_rows.sum() / count
+
+
+def rows_gradient(grad_out: torch.Tensor, shape, reduction: str, count) -> torch.Tensor:
+    """The rows' upstream gradient of a reduced loss: grad_out (a scalar) spread over the rows,
+    divided by the mean's count (as autograd would through `reduce_rows`; expanded, no copy)."""
+    if reduction == "mean":
+        grad_out = grad_out / count
+    return grad_out.expand(shape)
+
+
 # ------------------------------------------------------------------------------ eager fast path
 class _EagerKL(torch.autograd.Function):
     """The same forward and backward as the custom ops, for eager calls: the front end's `Problem`
@@ -199,21 +234,29 @@ class _EagerKL(torch.autograd.Function):
     the front end calls the custom ops instead (see `eager_fast_path`)."""
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, problem, impl):
+    def forward(ctx, q1, k1, q2, k2, problem, impl, reduction):
         (kl_rows, lse1, lse2, expect), schedule = run_forward(problem, impl, q1, k1, q2, k2)
         ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, _expect_to_save(ctx, lse1, expect))
         ctx.problem, ctx.impl, ctx.schedule = problem, impl, schedule
+        ctx.reduction, ctx.rows_shape = reduction, kl_rows.shape
+        # the reduction inside the function: one autograd node for the whole loss (the engine ran
+        # two or three more, each with its kernels, for the reduction's ops)
+        ctx.count = mean_count(kl_rows, lse1, problem) if reduction == "mean" else 1
+        out = reduce_rows(kl_rows, lse1, reduction, problem, ctx.count)
         ctx.mark_non_differentiable(lse1, lse2, expect)
         ctx.set_materialize_grads(False)
-        return kl_rows, lse1, lse2, expect
+        return out, lse1, lse2, expect
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
+    def backward(ctx, grad_out, grad_lse1, grad_lse2, grad_expect):
         needs = ctx.needs_input_grad[:4]
-        if grad_rows is None or not any(needs):
-            return (None,) * 6
+        if grad_out is None or not any(needs):
+            return (None,) * 7
         q1, k1, q2, k2, lse1, lse2, expect = ctx.saved_tensors
         problem, impl = ctx.problem, ctx.impl
+        grad_rows = grad_out
+        if ctx.reduction != "none":
+            grad_rows = rows_gradient(grad_out, ctx.rows_shape, ctx.reduction, ctx.count)
         if torch.is_grad_enabled():
             # create_graph=True: the backward op, so that a double backward raises as it does on the
             # ops' path (no autograd formula for kl_backward) instead of silently missing terms
@@ -224,7 +267,7 @@ class _EagerKL(torch.autograd.Function):
             )  # fmt: skip
         else:
             grads = run_backward(problem, impl, ctx.schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
-        return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None)
+        return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None, None)
 
 
 def eager_fast_path(tensors) -> bool:
@@ -240,17 +283,17 @@ def eager_fast_path(tensors) -> bool:
     return all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
 
 
-def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2):
-    """(kl_rows, lse1, lse2) of a validated problem, differentiable in q1, k1, q2, k2 through
-    whichever of the two paths applies."""
+def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2, reduction: str = "none"):
+    """(KL reduced by `reduction`, lse1, lse2) of a validated problem, differentiable in q1, k1,
+    q2, k2 through whichever of the two paths applies."""
     if eager_fast_path((q1, k1, q2, k2)):
         if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
-            kl_rows, lse1, lse2, _ = _EagerKL.apply(q1, k1, q2, k2, problem, impl)
-        else:
-            (kl_rows, lse1, lse2, _), _ = run_forward(problem, impl, q1, k1, q2, k2)
-        return kl_rows, lse1, lse2
+            out, lse1, lse2, _ = _EagerKL.apply(q1, k1, q2, k2, problem, impl, reduction)
+            return out, lse1, lse2
+        (kl_rows, lse1, lse2, _), _ = run_forward(problem, impl, q1, k1, q2, k2)
+        return reduce_rows(kl_rows, lse1, reduction, problem), lse1, lse2
     cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem)
     kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(
         q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats, impl.name
     )
-    return kl_rows, lse1, lse2
+    return reduce_rows(kl_rows, lse1, reduction, problem), lse1, lse2

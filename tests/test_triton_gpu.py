@@ -934,6 +934,62 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
     assert not calls
 
 
+@gpu
+def test_direct_launch_reuses_compiled_kernels(monkeypatch):
+    """The Gluon kernels go through Triton's launch path once per configuration, then through the
+    compiled kernel's own launcher (`common.direct_launch`), with the same results; another
+    configuration (other lengths: other constexprs and int specializations) compiles anew."""
+    from streamkl.backends.triton import common, gluon_backward
+
+    gluon_forward = _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(common, "_COMPILED", {})
+    jit_calls = []
+    for kernel in (gluon_forward._kl_fwd_gluon_kernel, gluon_backward._kl_bwd_gluon_kernel):
+        original = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, _o=original, _n=kernel.fn.__name__, **k: jit_calls.append(_n)
+                            or _o(*a, **k))
+    for _ in range(3):
+        x = make_inputs((2, 256), (2, 384), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+        check_against_reference(x, "triton", causal=True)
+    assert sorted(jit_calls) == ["_kl_bwd_gluon_kernel", "_kl_fwd_gluon_kernel"]
+    x = make_inputs((2, 200), (2, 300), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
+    check_against_reference(x, "triton", causal=True)
+    assert len(jit_calls) > 2 and len(common._COMPILED) == len(jit_calls)  # (the backward's tails at least)
+
+
+def test_direct_launch_key_follows_triton():
+    """`common.direct_launch` reuses a compiled kernel for arguments whose `_arg_key` matches: the
+    key must tell apart every two arguments that Triton's own launch specializes differently
+    (`native_specialize_impl`, triton 3.6), or a launch would run a kernel compiled for other
+    arguments (an alignment it does not have, an int folded as the constant 1)."""
+    _gluon()
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from streamkl.backends.triton.common import _arg_key
+
+    base = torch.empty(4096, dtype=torch.bfloat16)
+    flat = base.view(64, 64)
+    layouts = [gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16) for box in ([64, 64], [32, 64])]
+    values = [0, 1, 2, 15, 16, 17, 32, -16, -1, 2**31 - 16, 2**31, 2**31 + 1, 2**40, 0.5, 1.0, True, False, None,
+              base, base[1:], base[8:], base.float(), base.float()[4:], base.float()[1:], base[:0],
+              TensorDescriptor(flat, [64, 64], [64, 1], [64, 64], layouts[0]),
+              TensorDescriptor(flat, [64, 64], [64, 1], [32, 64], layouts[1]),
+              TensorDescriptor(flat[1:], [63, 64], [64, 1], [64, 64], layouts[0]),
+              TensorDescriptor(flat.half(), [64, 64], [64, 1], [64, 64],
+                               gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))]
+    spec = [native_specialize_impl(CUDABackend, v, False, True, True) for v in values]
+    keys = [_arg_key(v) for v in values]
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if spec[i] != spec[j]:
+                assert keys[i] != keys[j], (values[i], values[j], spec[i], spec[j])
+
+
 def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
     """The default Gluon builds of the headline shapes (forward D=128, both variants; student
     backward D=128, causal and not) compiled for sm_90a, then through triton's own ptxas with

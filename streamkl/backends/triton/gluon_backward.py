@@ -814,6 +814,7 @@ def kl_backward_both(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_
     dq accumulators, head-chunked as the student's (two chunks: together the size of one 16-bit
     dq pair, under the four gradients returned)."""
     from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
+    from streamkl.backends.triton.common import direct_launch
 
     dk1, dk2 = torch.empty_like(k1), torch.empty_like(k2)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
@@ -830,7 +831,7 @@ def kl_backward_both(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_
             accum2.zero_()
         grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, None, g_scale,
                                              lo, per_chunk, both=(dk1, expect, accum1))
-        _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
+        direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
         dq1[..., lo:lo + per_chunk, :].copy_(accum1)
         dq2[..., lo:lo + per_chunk, :].copy_(accum2)
     return dq1, dk1, dq2, dk2
@@ -843,7 +844,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     (`backward.atomic_head_chunks`: two where each launch still fills the GPU three times over), so
     the extra memory stays under the size of the gradients returned."""
     from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
-    from streamkl.backends.triton.common import group_sizes
+    from streamkl.backends.triton.common import direct_launch, group_sizes
 
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
@@ -860,7 +861,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
             accum.zero_()
         grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum, dk2, schedule, g_scale,
                                              lo, per_chunk)
-        _kl_bwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
+        direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
         if chunks > 1:
             dq2[..., lo:lo + per_chunk, :].copy_(accum)
     return None, None, dq2 if chunks > 1 else accum.to(q2.dtype), dk2

@@ -567,10 +567,12 @@ def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, o
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule=None):
     """(kl_rows, lse1, lse2, expect) through the Gluon kernel; `applies()` must hold (and, with
     block masks or a window, a schedule of 128 x 128 tiles be given)."""
+    from streamkl.backends.triton.common import direct_launch
+
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
     grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, OVERLAP, schedule)
-    _kl_fwd_gluon_kernel[grid](*args, **constexprs, num_warps=4)
+    direct_launch(_kl_fwd_gluon_kernel, grid, args, constexprs, 4)
     return kl_rows, lse1, lse2, expect
 
 
