@@ -982,6 +982,19 @@ def test_direct_launch_key_follows_triton():
               TensorDescriptor(flat[1:], [63, 64], [64, 1], [64, 64], layouts[0]),
               TensorDescriptor(flat.half(), [64, 64], [64, 1], [64, 64],
                                gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))]
+    # launch hooks: triton 3.6's empty chains are none; a hook added sends launches through Triton
+    from triton import knobs
+
+    from streamkl.backends.triton.common import launch_hooks_active
+
+    assert not launch_hooks_active()
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert launch_hooks_active()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not launch_hooks_active()
     spec = [native_specialize_impl(CUDABackend, v, False, True, True) for v in values]
     keys = [_arg_key(v) for v in values]
     for i in range(len(values)):

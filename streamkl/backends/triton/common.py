@@ -269,6 +269,17 @@ def _arg_key(arg):
     raise _Unkeyed(kind)
 
 
+def launch_hooks_active() -> bool:
+    """Whether a launch hook is set (a profiler's, e.g. proton): triton 3.6 keeps them in chains
+    (`knobs.HookChain`), never None, so an empty chain counts as none."""
+    from triton import knobs
+
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
 def direct_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int):
     """`kernel[grid](*args, **constexprs, num_warps=num_warps)`, but from the second call of a
     configuration on through the compiled kernel's own launcher: Triton's launch path binds and
@@ -276,14 +287,12 @@ def direct_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps:
     benchmarks/host_timeline.py: 46 against 16 us). The configuration is the kernel, the device,
     the constexprs and each runtime argument's specialization (`_arg_key`). Launch hooks (a
     profiler's) take Triton's path."""
-    from triton import knobs
-
     try:
         key = (kernel, torch.cuda.current_device(), num_warps, *constexprs.items(), *map(_arg_key, args))
     except (_Unkeyed, TypeError):  # (TypeError: an unhashable constexpr)
         return kernel[grid](*args, **constexprs, num_warps=num_warps)
     entry = _COMPILED.get(key)
-    if entry is None or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    if entry is None or launch_hooks_active():
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
         names = kernel.arg_names[len(args):]
         if entry is None and hasattr(compiled, "packed_metadata") and set(names) == set(constexprs):
