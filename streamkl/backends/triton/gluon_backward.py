@@ -360,7 +360,7 @@ if GLUON_IMPORT_ERROR is None:
         ka1 = k1_smem.slice(WG * HALF, HALF)
         ka2 = k2_smem.slice(WG * HALF, HALF)
         gl.static_assert(BLOCK_M == HALF)  # (the layout above: both dims of a score tile 64)
-        zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
+        zero_s = gl.zeros([BLOCK_M, HALF], gl.float32, s_layout)
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])  # [rows, 64 of D]
         zero_q = gl.zeros([BLOCK_M, 64], gl.float32, q_layout)
@@ -401,7 +401,7 @@ if GLUON_IMPORT_ERROR is None:
                 tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M,
                                                          LISTED, TAIL, GQA2)
                 o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
-                # the rows' statistics straight into the score layout (16 rows a thread from one 64-bit
+                # the rows' statistics straight into the score layout (two rows a thread from one 64-bit
                 # base; before the ninth session one a thread, spread by three layout conversions)
                 lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
                                             stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
@@ -849,7 +849,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
-    # g head-major (a row stride of 1, as lse's): each thread's 16 rows are one base's immediate offsets
+    # g head-major (a row stride of 1, as lse's): each thread's rows are one base's immediate offsets
     g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
     chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
