@@ -34,6 +34,7 @@ Fifth session (2026-11-30), CPU: all eight problems below agree with float64 to 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import sys
 import time
@@ -258,25 +259,12 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64) * ref.isfinite()
     ref = ref.nan_to_num(posinf=0.0)
     ref_dq2, ref_dk2 = torch.autograd.grad((ref * upstream).sum(), leaves[2:])
-    dq2 = torch.zeros(q2.shape, dtype=torch.float32)
-    per_chunk = heads // chunks
-    accum = torch.zeros((*q2.shape[:-2], per_chunk, dim), dtype=torch.float32)
-    dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)  # as kl_backward
-    saved1 = lse1.float().contiguous()
-    from streamkl.backends.triton.backward import rescaled_upstream
-
-    g, g_scale = rescaled_upstream(problem, upstream, saved1)  # float16: rescaled to a peak of 64
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
     vec2, gluon_backward.DQ_VEC2 = gluon_backward.DQ_VEC2, False  # (inline PTX: not simulated)
     start = time.time()
-    for lo in range(0, heads, per_chunk):
-        accum.zero_()
-        grid, args, constexprs = gluon_backward.launch_args(
-            problem, q1, k1, q2, k2, saved1, lse2.float().contiguous(), g, accum, dk2, schedule, g_scale,
-            lo, per_chunk,
-        )
-        kernel[grid](*args, **constexprs, num_warps=4)
-        dq2[..., lo:lo + per_chunk, :] = accum
+    with _wrapper_launches(kernel, chunks):  # the host wrapper as the backend calls it
+        _, _, dq2, dk2 = gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1.float().contiguous(),
+                                                    lse2.float().contiguous(), upstream.float(), schedule)
     gluon_backward.DQ_VEC2 = vec2
 
     def err(a, e):
@@ -292,13 +280,29 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     return max(errors)
 
 
-def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torch.float16):
-    """(branch wip/both-sides-probe) The kernel with BOTH: all four gradients against the float64
-    reference, E (and lse) from the float64 chunked-PyTorch forward, dense whole tiles, D=128."""
+@contextlib.contextmanager
+def _wrapper_launches(kernel, chunks):
+    """Within the block, gluon_backward's host wrappers launch the simulator-traced `kernel` (their
+    `common.direct_launch` replaced) over `chunks` head chunks (`backward.CHUNKS_OVERRIDE`)."""
+    from streamkl.backends.triton import backward, common
+
+    saved = common.direct_launch, backward.CHUNKS_OVERRIDE
+    common.direct_launch = lambda _kernel, grid, args, constexprs, num_warps: kernel[grid](
+        *args, **constexprs, num_warps=num_warps)
+    backward.CHUNKS_OVERRIDE = chunks
+    try:
+        yield
+    finally:
+        common.direct_launch, backward.CHUNKS_OVERRIDE = saved
+
+
+def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torch.float16, chunks=1):
+    """The kernel with BOTH, through its host wrapper (`kl_backward_both`): all four gradients against
+    the float64 reference, E (and lse) from the float64 chunked-PyTorch forward, dense whole tiles,
+    D=128, in `chunks` head chunks."""
     from streamkl.autograd import run_forward
     from streamkl.backends.torch_chunked import TorchChunkedBackend
     from streamkl.backends.triton import gluon_backward
-    from streamkl.backends.triton.backward import rescaled_upstream
     from streamkl.problem import build_problem
     from streamkl.reference import reference_kl
 
@@ -313,18 +317,12 @@ def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torc
     (_, lse1, lse2, expect), _ = run_forward(problem64, TorchChunkedBackend(), *(t.detach() for t in leaves))
     problem = build_problem(q1, k1, q2, k2, causal=causal)
     lse1, lse2, expect = (t.float().contiguous() for t in (lse1, lse2, expect))
-    grad_rows, g_scale = rescaled_upstream(problem, upstream.float(), lse1)
-    grad_rows = grad_rows.transpose(-1, -2).contiguous().transpose(-1, -2)
-    accum1, accum2 = (torch.zeros(batch, n_q, heads, dim) for _ in range(2))
-    dk1, dk2 = torch.zeros_like(k1), torch.zeros_like(k2)
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
     start = time.time()
-    grid, args, constexprs = gluon_backward.launch_args(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, accum2, dk2,
-                                                        None, g_scale, 0, heads, both=(dk1, expect, accum1))
-    kernel[grid](*args, **constexprs, num_warps=4)
-    got = (accum1, dk1, accum2, dk2)
+    with _wrapper_launches(kernel, chunks):
+        got = gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, upstream.float())
     errors = [((a.double() - e).norm() / e.norm()).item() for a, e in zip(got, refs)]
-    print(f"both sides B{batch} Nq{n_q} Nk{n_k} H{heads} D128 causal={causal}: relative L2 error dq1 "
+    print(f"both sides B{batch} Nq{n_q} Nk{n_k} H{heads} D128 causal={causal} chunks={chunks}: relative L2 error dq1 "
           f"{errors[0]:.1e}, dk1 {errors[1]:.1e}, dq2 {errors[2]:.1e}, dk2 {errors[3]:.1e} "
           f"({time.time() - start:.1f} s)", flush=True)
     return max(errors)
@@ -405,7 +403,8 @@ def main():
         gluon_backward.DQ_TMA = False
     if "--both" in sys.argv:  # the kernel with BOTH (all four gradients)
         worst = max(simulate_both(triton_viz, client, *case) for case in
-                    ((1, 128, 128, 1, False), (1, 128, 256, 2, True), (2, 256, 256, 2, True), (1, 192, 384, 1, False)))
+                    ((1, 128, 128, 1, False), (1, 128, 256, 2, True), (2, 256, 256, 2, True, torch.float16, 2),
+                     (1, 192, 384, 1, False)))
         print(f"worst relative error {worst:.1e}")
         sys.exit(0 if worst < 2e-2 else 1)
     worst = max(simulate_backward(triton_viz, client, *case) for case in backward_cases)

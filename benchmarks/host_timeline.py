@@ -63,9 +63,9 @@ def _wrap(owner, attr, name=None, static=False):
 
 def instrument():
     api = streamkl.api
-    for attr in ("build_problem", "choose_backend", "kl_forward", "reduce_rows"):
+    for attr in ("build_problem", "choose_backend", "kl_forward"):
         _wrap(api, attr, f"api.{attr}")
-    for attr in ("run_forward", "run_backward", "get_schedule"):
+    for attr in ("run_forward", "run_backward", "get_schedule", "reduce_rows"):
         _wrap(streamkl.autograd, attr, f"autograd.{attr}")
     _wrap(streamkl.autograd._EagerKL, "forward", "EagerKL.forward")
     _wrap(streamkl.autograd._EagerKL, "backward", "EagerKL.backward")

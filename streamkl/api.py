@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from streamkl.autograd import kl_forward, reduce_rows  # noqa: F401  (reduce_rows: also this module's)
+from streamkl.autograd import kl_forward
 from streamkl.dispatch import choose_backend
 from streamkl.problem import build_problem, check_output_options
 

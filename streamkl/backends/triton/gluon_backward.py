@@ -813,28 +813,7 @@ def kl_backward_both(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_
     """(dq1, dk1, dq2, dk2) through the kernel with BOTH; `applies_both()` must hold. Two float32
     dq accumulators, head-chunked as the student's (two chunks: together the size of one 16-bit
     dq pair, under the four gradients returned)."""
-    from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
-    from streamkl.backends.triton.common import direct_launch
-
-    dk1, dk2 = torch.empty_like(k1), torch.empty_like(k2)
-    g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
-    g = g.transpose(-1, -2).contiguous().transpose(-1, -2)  # head-major, as kl_backward's
-    chunks = max(atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), 1), 1)
-    per_chunk = problem.heads // chunks
-    shape = (*q2.shape[:-2], per_chunk, q2.shape[-1])
-    accum1, accum2 = (torch.zeros(shape, dtype=torch.float32, device=q2.device) for _ in range(2))
-    dq1, dq2 = torch.empty_like(q1), torch.empty_like(q2)
-    for chunk in range(chunks):
-        lo = chunk * per_chunk
-        if chunk:
-            accum1.zero_()
-            accum2.zero_()
-        grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, None, g_scale,
-                                             lo, per_chunk, both=(dk1, expect, accum1))
-        direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
-        dq1[..., lo:lo + per_chunk, :].copy_(accum1)
-        dq2[..., lo:lo + per_chunk, :].copy_(accum2)
-    return dq1, dk1, dq2, dk2
+    return _backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, None, expect)
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
@@ -843,28 +822,46 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     one chunk of the heads at a time, chunked as backward.py's atomic pass is
     (`backward.atomic_head_chunks`: two where each launch still fills the GPU three times over), so
     the extra memory stays under the size of the gradients returned."""
+    return _backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, None)
+
+
+def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, expect):
+    """`kl_backward`'s launches, and with `expect` (BOTH) side 1's gradients too: (dq1, dk1, dq2,
+    dk2), None where not computed."""
     from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
     from streamkl.backends.triton.common import direct_launch, group_sizes
 
+    both = expect is not None
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
+    dk1 = torch.empty_like(k1) if both else None  # (BOTH: dense sequences only)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
     # g head-major (a row stride of 1, as lse's): each thread's rows are one base's immediate offsets
     g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
     chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
-    accum = torch.zeros((*q2.shape[:-2], per_chunk, q2.shape[-1]), dtype=torch.float32, device=q2.device)
+    shape = (*q2.shape[:-2], per_chunk, q2.shape[-1])
+    accum2 = torch.zeros(shape, dtype=torch.float32, device=q2.device)
+    accum1 = torch.zeros(shape, dtype=torch.float32, device=q2.device) if both else None
     dq2 = torch.empty_like(q2) if chunks > 1 else None
+    dq1 = torch.empty_like(q1) if both and chunks > 1 else None
     for chunk in range(chunks):
         lo = chunk * per_chunk
         if chunk:
-            accum.zero_()
-        grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum, dk2, schedule, g_scale,
-                                             lo, per_chunk)
+            accum2.zero_()
+            if both:
+                accum1.zero_()
+        grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, schedule, g_scale,
+                                             lo, per_chunk, both=(dk1, expect, accum1) if both else None)
         direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
         if chunks > 1:
-            dq2[..., lo:lo + per_chunk, :].copy_(accum)
-    return None, None, dq2 if chunks > 1 else accum.to(q2.dtype), dk2
+            dq2[..., lo:lo + per_chunk, :].copy_(accum2)
+            if both:
+                dq1[..., lo:lo + per_chunk, :].copy_(accum1)
+    if chunks == 1:
+        dq2 = accum2.to(q2.dtype)
+        dq1 = accum1.to(q1.dtype) if both else None
+    return dq1, dk1, dq2, dk2
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
