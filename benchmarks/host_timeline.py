@@ -81,6 +81,7 @@ def instrument():
         if hasattr(gluon_backward, attr):
             _wrap(gluon_backward, attr, f"gluon_backward.{attr}")
     _wrap(common, "launch", "common.launch")
+    _wrap(common, "direct_launch", "common.direct_launch")  # (the callers import it at call time)
     for kernel in (gluon_forward._kl_fwd_gluon_kernel, gluon_backward._kl_bwd_gluon_kernel,
                    forward._kl_fwd_kernel, backward._kl_bwd_kv_kernel, backward._kl_bwd_dq_kernel):
         _wrap(kernel, "run", f"launch:{kernel.fn.__name__}")

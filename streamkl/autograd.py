@@ -11,6 +11,8 @@ machinery costs more host time per call than the rest of the front end, and eage
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from streamkl.backends.base import Backend, empty_rows_to_zero
@@ -190,25 +192,54 @@ torch.library.register_autograd("streamkl::kl_forward", _backward, setup_context
 
 
 # ------------------------------------------------------------------------------ reductions
-def mean_count(kl_rows: torch.Tensor, lse1: torch.Tensor, problem: Problem | None = None):
+def mean_count(kl_rows: torch.Tensor, lse1: torch.Tensor, problem: Problem | None = None, schedule=None):
     """What `mean` divides by: the rows whose side-1 support is non-empty, at least 1. A host int
-    where the structure says it (`structural_row_count`), else a device tensor (no sync)."""
+    where the structure says it (`structural_row_count`), else a device tensor (no sync), kept
+    with the call's tile schedule when one is given (`_count_memo`)."""
     count = None if problem is None else structural_row_count(problem)
     if count is not None:
         return max(count, 1)
+    memo = _count_memo(schedule, problem)
+    if memo is not None and memo[1] in memo[0]:
+        return memo[0][memo[1]]
     # a side-1 block mask (or varlen lengths unknown on the host): count the rows lse1 says are
     # non-empty; count_nonzero makes no int64 copy of the mask (a bool .sum() does on some devices)
-    return torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)
+    count = torch.count_nonzero(lse1 != NEG_INF).clamp_(min=1)
+    if memo is not None:
+        memo[0][memo[1]] = count
+    return count
 
 
-def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str, problem=None, count=None):
+_COUNT_CACHE: OrderedDict = OrderedDict()
+
+
+def _count_memo(schedule, problem):
+    """(dict, key) where the count of a side-1 masked problem is kept, or None. Which rows have an
+    empty side-1 support is structure (the masks, lengths, causality and window: what the tile
+    schedule is cached by, `get_schedule`) and the batch and head counts, so the count made from
+    lse1 by the first call holds for every later call with the same schedule (three launches
+    fewer a call). Not while capturing a CUDA graph (a count made there holds no value until the
+    graph replays) or compiling. The cache keeps its schedules alive, so their ids are not reused."""
+    if schedule is None or problem is None or torch.compiler.is_compiling():
+        return None
+    if problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    hit = _COUNT_CACHE.get(id(schedule))
+    if hit is None or hit[0] is not schedule:
+        hit = _COUNT_CACHE[id(schedule)] = (schedule, {})
+        while len(_COUNT_CACHE) > 64:
+            _COUNT_CACHE.popitem(last=False)
+    return hit[1], (problem.batch, problem.heads)
+
+
+def reduce_rows(kl_rows: torch.Tensor, lse1: torch.Tensor, reduction: str, problem=None, count=None, schedule=None):
     """The SPEC's reductions; `mean` divides by the rows whose side-1 support is non-empty
     (`count`: `mean_count`'s, computed here if not given)."""
     if reduction == "none":
         return kl_rows
     if reduction == "sum":
         return kl_rows.sum()
-    count = mean_count(kl_rows, lse1, problem) if count is None else count
+    count = mean_count(kl_rows, lse1, problem, schedule) if count is None else count
     if type(count) is int and count == kl_rows.numel():  # every row counts: one kernel
         return kl_rows.mean()
     return kl_rows.sum() / count
@@ -241,7 +272,7 @@ class _EagerKL(torch.autograd.Function):
         ctx.reduction, ctx.rows_shape = reduction, kl_rows.shape
         # the reduction inside the function: one autograd node for the whole loss (the engine ran
         # two or three more, each with its kernels, for the reduction's ops)
-        ctx.count = mean_count(kl_rows, lse1, problem) if reduction == "mean" else 1
+        ctx.count = mean_count(kl_rows, lse1, problem, schedule) if reduction == "mean" else 1
         out = reduce_rows(kl_rows, lse1, reduction, problem, ctx.count)
         ctx.mark_non_differentiable(lse1, lse2, expect)
         ctx.set_materialize_grads(False)
@@ -290,8 +321,8 @@ def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2, reduction: str =
         if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
             out, lse1, lse2, _ = _EagerKL.apply(q1, k1, q2, k2, problem, impl, reduction)
             return out, lse1, lse2
-        (kl_rows, lse1, lse2, _), _ = run_forward(problem, impl, q1, k1, q2, k2)
-        return reduce_rows(kl_rows, lse1, reduction, problem), lse1, lse2
+        (kl_rows, lse1, lse2, _), schedule = run_forward(problem, impl, q1, k1, q2, k2)
+        return reduce_rows(kl_rows, lse1, reduction, problem, schedule=schedule), lse1, lse2
     cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem)
     kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(
         q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats, impl.name

@@ -259,3 +259,28 @@ def test_schedule_is_cached_per_mask_and_shape():
     assert get_schedule(problem, 16, 32) is not first
     other = BlockMask.from_dense(torch.ones(1, 1, 2, 2, dtype=torch.bool, device=DEVICE), 32)
     assert get_schedule(build_problem(q, q, q, q, mask1=other), 32, 32) is not first
+
+
+def test_mean_count_is_kept_per_schedule_and_shape():
+    """A side-1 block mask's mean divides by the rows with a non-empty side-1 support, counted from
+    lse1 by the first call and kept with the tile schedule (`autograd._count_memo`): later calls
+    with the same schedule, and calls whose head count differs under a mask broadcast over heads,
+    each divide by their own count."""
+    from streamkl import autograd
+
+    autograd._COUNT_CACHE.clear()
+    pattern = _random_pattern(1, 1, 4, 4, 0.5)
+    pattern[:, :, 1] = False  # query block 1 sees no key on side 1
+    mask1 = BlockMask.from_dense(pattern, 16)
+    for causal in (False, True):
+        for heads in (2, 4, 2):
+            inputs = _inputs(1, 64, 64, heads=heads, heads_k=(1, 1))
+            rows, lse1, _ = streamkl.kl(*inputs, mask1=mask1, causal=causal, reduction="none", return_lse=True,
+                                        backend="torch")
+            count = int((lse1 != float("-inf")).sum())
+            assert 0 < count < rows.numel()
+            for _ in range(2):
+                loss = streamkl.kl(*inputs, mask1=mask1, causal=causal, backend="torch")
+                torch.testing.assert_close(loss, rows.sum() / count)
+    kept = [memo for _, memo in autograd._COUNT_CACHE.values()]
+    assert len(kept) == 2 and all(int(memo[(1, 4)]) == 2 * int(memo[(1, 2)]) for memo in kept)  # (per causality)

@@ -960,7 +960,7 @@ def test_direct_launch_reuses_compiled_kernels(monkeypatch):
 
 
 def test_direct_launch_key_follows_triton():
-    """`common.direct_launch` reuses a compiled kernel for arguments whose `_arg_key` matches: the
+    """`common.direct_launch` reuses a compiled kernel for arguments whose `_arg_keys` match: the
     key must tell apart every two arguments that Triton's own launch specializes differently
     (`native_specialize_impl`, triton 3.6), or a launch would run a kernel compiled for other
     arguments (an alignment it does not have, an int folded as the constant 1)."""
@@ -969,8 +969,9 @@ def test_direct_launch_key_follows_triton():
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor as TritonDescriptor
 
-    from streamkl.backends.triton.common import _arg_key
+    from streamkl.backends.triton.common import _arg_keys, fast_descriptor_checked
 
     base = torch.empty(4096, dtype=torch.bfloat16)
     flat = base.view(64, 64)
@@ -981,7 +982,12 @@ def test_direct_launch_key_follows_triton():
               TensorDescriptor(flat, [64, 64], [64, 1], [32, 64], layouts[1]),
               TensorDescriptor(flat[1:], [63, 64], [64, 1], [64, 64], layouts[0]),
               TensorDescriptor(flat.half(), [64, 64], [64, 1], [64, 64],
-                               gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16))]
+                               gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16)),
+              # as the kernels' launches build them (`fast_descriptor`): the unflattened base
+              fast_descriptor_checked(TensorDescriptor, base.view(4, 16, 64), 64, [32, 64], layouts[1]),
+              fast_descriptor_checked(TritonDescriptor, base.view(4, 16, 64), 64, [64, 64]),
+              fast_descriptor_checked(TritonDescriptor, base.view(4, 16, 64), 64, [32, 64]),
+              fast_descriptor_checked(TritonDescriptor, base.float().view(4, 16, 64), 64, [32, 64])]
     # launch hooks: triton 3.6's empty chains are none; a hook added sends launches through Triton
     from triton import knobs
 
@@ -996,7 +1002,8 @@ def test_direct_launch_key_follows_triton():
         knobs.runtime.launch_enter_hook.remove(hook)
     assert not launch_hooks_active()
     spec = [native_specialize_impl(CUDABackend, v, False, True, True) for v in values]
-    keys = [_arg_key(v) for v in values]
+    keys = list(_arg_keys(values))
+    assert keys == [_arg_keys([v])[0] for v in values]
     for i in range(len(values)):
         for j in range(len(values)):
             if spec[i] != spec[j]:

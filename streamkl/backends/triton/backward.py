@@ -41,6 +41,7 @@ from streamkl.backends.triton.common import (
     device_index,
     dim_blocks,
     even_dims,
+    fast_descriptor,
     group_sizes,
     head_strides,
     interpreting,
@@ -572,10 +573,10 @@ def dq_descriptors(problem: Problem, accum: tuple, block_q: int):
         if a is None:
             descs.append(a)
             continue
-        flat = a.view(-1, a.shape[-2] * dim)  # contiguous: allocated here
-        if flat.shape[0] < block_q:
+        width = a.shape[-2] * dim  # contiguous, aligned float32: allocated here
+        if a.numel() < block_q * width:
             return None
-        descs.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_q, dim]))
+        descs.append(fast_descriptor(TensorDescriptor, a, width, [block_q, dim]))
     return descs
 
 

@@ -227,9 +227,13 @@ _STAGES_THAT_FIT: dict = {}
 
 def launch(kernel, grid, args: tuple, config_key: tuple, num_warps: int, num_stages: int, **constexprs):
     """Launch a kernel; if its shared memory does not fit, retry with a shallower pipeline, and
-    remember the depth that fits for this configuration."""
+    remember the depth that fits for this configuration. Once one fits, later launches of the
+    configuration go through `direct_launch` (on a GPU)."""
     key = (kernel.fn.__name__, config_key, num_warps, num_stages)
-    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    stages = _STAGES_THAT_FIT.get(key)
+    if stages is not None and not interpreting():
+        return direct_launch(kernel, grid, args, constexprs, num_warps, stages)
+    stages = num_stages if stages is None else stages
     while True:
         try:
             result = kernel[grid](*args, num_warps=num_warps, num_stages=stages, **constexprs)
@@ -243,30 +247,65 @@ def launch(kernel, grid, args: tuple, config_key: tuple, num_warps: int, num_sta
 
 # ------------------------------------------------------------------------------ direct launches
 _COMPILED: dict = {}
-_INT32 = (-(2**31), 2**31)
 
 
 class _Unkeyed(Exception):
     """An argument `_arg_key` has no rule for: launch through Triton's own path."""
 
 
-def _arg_key(arg):
-    """What Triton's launch specializes a runtime argument on (triton 3.6, `native_specialize_impl`;
-    `test_direct_launch_key_follows_triton` holds the two together): an int's value if 1, else its
-    width and divisibility by 16; a tensor's dtype and 16-byte alignment; a TMA descriptor's dtype,
-    box and layout; the type of a float or bool."""
-    kind = type(arg)
-    if kind is int:
-        return "one" if arg == 1 else (arg % 16 == 0, _INT32[0] <= arg < _INT32[1])
-    if kind is torch.Tensor:
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if kind is float or kind is bool:
-        return kind
-    if arg is None:
-        return None
-    if kind.__name__ == "TensorDescriptor":
-        return arg.base.dtype, tuple(arg.block_shape), arg.layout
-    raise _Unkeyed(kind)
+def _arg_keys(args) -> tuple:
+    """What Triton's launch specializes each runtime argument on (triton 3.6,
+    `native_specialize_impl`; `test_direct_launch_key_follows_triton` holds the two together): an
+    int's value if 1, else its width and divisibility by 16; a tensor's dtype and 16-byte
+    alignment; a TMA descriptor's dtype, box and layout; the type of a float or bool. One loop, no
+    call per argument: this runs on every launch (~40 arguments)."""
+    keys = []
+    append = keys.append
+    for arg in args:
+        kind = arg.__class__
+        if kind is int:  # 1: the constant 1; else bit 0: divisible by 16, bit 1: fits 32 bits
+            append(-1 if arg == 1 else (arg & 15 == 0) + 2 * (-2147483648 <= arg < 2147483648))
+        elif kind is torch.Tensor:
+            append((arg.dtype, arg.data_ptr() & 15 == 0))
+        elif kind is float or kind is bool:
+            append(kind)
+        elif arg is None:
+            append(None)
+        elif kind.__name__ == "TensorDescriptor":
+            append((kind, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None)))
+        else:
+            raise _Unkeyed(kind)
+    return tuple(keys)
+
+
+def fast_descriptor(cls, t: torch.Tensor, width: int, block_shape: list, layout=None):
+    """A host TMA descriptor (`cls`: Triton's or Gluon's TensorDescriptor) of contiguous `t` seen
+    as 2-D [t.numel() // width, width], built without the dataclass's `__init__` checks and without
+    a view (~4 us a descriptor on the H200's host, eight a student backward): the callers'
+    conditions guarantee what those checks assert (a contiguous, non-empty tensor on a 16-byte
+    aligned base, rows of a multiple of 16 bytes, a power-of-two box; `fast_descriptor_checked`
+    runs them in the tests). The launcher reads the base's data_ptr and dtype only."""
+    desc = object.__new__(cls)
+    desc.base = t
+    desc.shape = [t.numel() // width, width]
+    desc.strides = [width, 1]
+    desc.block_shape = block_shape
+    if layout is not None:
+        desc.layout = layout
+    desc.padding = "zero"
+    return desc
+
+
+def fast_descriptor_checked(cls, t: torch.Tensor, width: int, block_shape: list, layout=None):
+    """`fast_descriptor` after the checks it skips, by the dataclass's own constructor (tests)."""
+    flat = t.view(-1, width)
+    extra = () if layout is None else (layout,)
+    reference = cls(flat, list(flat.shape), list(flat.stride()), block_shape, *extra)
+    desc = fast_descriptor(cls, t, width, block_shape, layout)
+    assert (desc.base.data_ptr(), desc.base.dtype) == (reference.base.data_ptr(), reference.base.dtype)
+    assert (desc.shape, desc.strides, desc.block_shape) == (reference.shape, reference.strides, reference.block_shape)
+    assert getattr(desc, "layout", None) == getattr(reference, "layout", None) and desc.padding == reference.padding
+    return desc
 
 
 def launch_hooks_active() -> bool:
@@ -280,20 +319,21 @@ def launch_hooks_active() -> bool:
     return False
 
 
-def direct_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int):
+def direct_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int | None = None):
     """`kernel[grid](*args, **constexprs, num_warps=num_warps)`, but from the second call of a
     configuration on through the compiled kernel's own launcher: Triton's launch path binds and
     specializes every argument in Python first (~30 us a launch on the H200's host, measured by
     benchmarks/host_timeline.py: 46 against 16 us). The configuration is the kernel, the device,
-    the constexprs and each runtime argument's specialization (`_arg_key`). Launch hooks (a
+    the constexprs and each runtime argument's specialization (`_arg_keys`). Launch hooks (a
     profiler's) take Triton's path."""
+    options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
     try:
-        key = (kernel, torch.cuda.current_device(), num_warps, *constexprs.items(), *map(_arg_key, args))
+        key = (kernel, torch.cuda.current_device(), num_warps, num_stages, *constexprs.items(), _arg_keys(args))
+        entry = _COMPILED.get(key)
     except (_Unkeyed, TypeError):  # (TypeError: an unhashable constexpr)
-        return kernel[grid](*args, **constexprs, num_warps=num_warps)
-    entry = _COMPILED.get(key)
+        return kernel[grid](*args, **constexprs, **options)
     if entry is None or launch_hooks_active():
-        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        compiled = kernel[grid](*args, **constexprs, **options)
         names = kernel.arg_names[len(args):]
         if entry is None and hasattr(compiled, "packed_metadata") and set(names) == set(constexprs):
             _COMPILED[key] = (compiled, tuple(constexprs[name] for name in names))

@@ -24,6 +24,7 @@ from streamkl.backends.triton.common import (
     device_index,
     dim_blocks,
     even_dims,
+    fast_descriptor,
     group_sizes,
     head_strides,
     interpreting,
@@ -346,10 +347,10 @@ def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_
     for k, dim in ((k1, problem.dim1), (k2, problem.dim2)):
         if not k.is_contiguous() or k.data_ptr() % 16 or (k.shape[-2] * dim * k.element_size()) % 16:
             return None
-        flat = k.view(-1, k.shape[-2] * dim)
-        if flat.shape[0] < block_k:  # a box taller than the tensor: keep to pointers
+        width = k.shape[-2] * dim
+        if k.numel() < block_k * width:  # a box taller than the tensor: keep to pointers
             return None
-        descs.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_k, dim]))
+        descs.append(fast_descriptor(TensorDescriptor, k, width, [block_k, dim]))  # checked just above
     return tuple(descs)
 
 

@@ -93,6 +93,8 @@ multiples of 128, causal with any Nk.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from streamkl.backends.triton.gluon_forward import GLUON_IMPORT_ERROR, enabled, listed, setting  # noqa: F401
@@ -700,11 +702,14 @@ if GLUON_IMPORT_ERROR is None:
 DIAG_LOOPS = True
 
 
+@functools.lru_cache(maxsize=4)
 def ds_shared_layout(dtype: torch.dtype):
-    """The shared layout of a step's dS tile, [64 rows, 128 keys]."""
+    """The shared layout of a step's dS tile, [64 rows, 128 keys] (cached, as every layout built
+    on the host a call: `get_default_for` is a constexpr function, ~10 us a call on the H200's host)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl_dtype(dtype))
 
 
+@functools.lru_cache(maxsize=1)
 def dq_layout():
     """The shared layout of a [64, 64] float32 dq2 tile (DQ_TMA)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.float32)
@@ -712,9 +717,10 @@ def dq_layout():
 
 def dq_descriptor(accum: torch.Tensor):
     """The float32 dq2 accumulator [..., heads, D] as a 2-D [tokens, heads * D] TMA target in
-    [64, 64] boxes (DQ_TMA)."""
-    flat = accum.view(-1, accum.shape[-2] * accum.shape[-1])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK_M, 64], dq_layout())
+    [64, 64] boxes (DQ_TMA; allocated by `_backward`: contiguous, aligned, non-empty)."""
+    from streamkl.backends.triton.common import fast_descriptor
+
+    return fast_descriptor(TensorDescriptor, accum, accum.shape[-2] * accum.shape[-1], [BLOCK_M, 64], dq_layout())
 
 
 def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None, g_scale=None,

@@ -512,10 +512,12 @@ def shared_layout(rows: int, dim: int, dtype: torch.dtype):
 
 
 def flat_descriptor(t: torch.Tensor, rows: int):
-    """A host TMA descriptor of an input as 2-D [tokens, heads * dim], in [rows, dim] boxes."""
+    """A host TMA descriptor of an input as 2-D [tokens, heads * dim], in [rows, dim] boxes
+    (`common.fast_descriptor`: `applies` checked what the dataclass's constructor would)."""
+    from streamkl.backends.triton.common import fast_descriptor
+
     dim = t.shape[-1]
-    flat = t.view(-1, t.shape[-2] * dim)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, dim], shared_layout(rows, dim, t.dtype))
+    return fast_descriptor(TensorDescriptor, t, t.shape[-2] * dim, [rows, dim], shared_layout(rows, dim, t.dtype))
 
 
 def descriptors(problem: Problem, q1, k1, q2, k2, block_n: int):

@@ -1,0 +1,202 @@
+"""A/B of host-side changes: the same calls timed from two source trees, in alternating processes.
+
+The suite's synchronized measure (L2 flushed, device synchronized, one call between CUDA events:
+host time before the first launch included) moves with the host's Python as much as with the
+kernels, and the device machine can differ between calls: comparing a change against a suite run
+of an earlier session mixes both. This runs each tree's `streamkl` in its own process, rounds
+alternating (A B A B), on the same GPU, and prints one JSON line per (tree, round, case): the
+median synchronized ms, the median host ms of one call (Python time, GPU idle before it) and the
+median back-to-back ms (host hidden). A tree is a directory holding a `streamkl` package, e.g. one
+exported with `git archive REV streamkl | tar -x -C old`.
+
+    python benchmarks/ab_trees.py --trees old,. --rounds 2 --out $OUT/ab_trees.jsonl
+
+`--interleave PACKAGE` instead times both in one process, call by call alternating (the host's
+state drifts between processes): PACKAGE is the old tree imported under another name, e.g.
+`git archive REV streamkl | tar -x -C old && mv old/streamkl old/streamkl_old && sed -i
+'s/\\bstreamkl\\b/streamkl_old/g' $(find old -name '*.py')` (its custom ops get that namespace).
+
+    PYTHONPATH=old python benchmarks/ab_trees.py --interleave streamkl_old --out $OUT/ab.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+CASES = {  # name: (D, causal, sparsity, grads)
+    "fwd D=64": (64, False, None, ()),
+    "fwd D=64 causal": (64, True, None, ()),
+    "fwd D=128": (128, False, None, ()),
+    "fwd D=128 causal": (128, True, None, ()),
+    "fwd 90%": (128, False, 0.9, ()),
+    "student 90%": (128, False, 0.9, (2, 3)),
+    "all 90%": (128, False, 0.9, (0, 1, 2, 3)),
+    "all D=128 causal": (128, True, None, (0, 1, 2, 3)),
+}
+
+
+def make_run(lib, inputs, kwargs, grads):
+    """One call of `lib.kl` (forward, with a backward when some input needs a gradient)."""
+
+    def run():
+        loss = lib.kl(*inputs, **kwargs)
+        if grads:
+            loss.backward()
+            for t in inputs:
+                t.grad = None
+
+    return run
+
+
+def interleaved(args):
+    """Both packages in this process, each repetition timing one call of each (order alternating)."""
+    import importlib
+
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(1, str(HERE))
+    from suite import Timer, block_mask
+
+    import streamkl
+
+    libs = {"new": streamkl, "old": importlib.import_module(args.interleave)}
+    n, h = args.n, args.heads
+    timer = Timer("cuda")
+    rows = []
+    for name in args.cases.split(","):
+        d, causal, sparsity, grads = CASES[name]
+        inputs = [torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_(i in grads)
+                  for i in range(4)]
+        kwargs = {label: dict(causal=causal, backend="triton") for label in libs}
+        if sparsity is not None:
+            pattern = block_mask(n, h, sparsity, 128, "cuda").to_dense()
+            for label, lib in libs.items():  # each package's own BlockMask
+                kwargs[label]["mask1"] = kwargs[label]["mask2"] = lib.BlockMask.from_dense(pattern, 128)
+        runs = {label: make_run(lib, inputs, kwargs[label], grads) for label, lib in libs.items()}
+        for run in runs.values():
+            for _ in range(3):
+                run()
+        sync = {label: [] for label in runs}
+        host = {label: [] for label in runs}
+        for rep in range(args.repeats):
+            for label in (("old", "new") if rep % 2 else ("new", "old")):
+                sync[label].append(timer.once(runs[label])[0])
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                runs[label]()
+                host[label].append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        for label in runs:
+            row = dict(case=name, tree=label, sync_ms=round(statistics.median(sync[label]), 4),
+                       host_ms=round(statistics.median(host[label]), 4),
+                       host_min_ms=round(min(host[label]), 4))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def worker(args):
+    sys.path.insert(0, str(Path(args.worker).resolve()))
+    sys.path.insert(1, str(HERE))
+    import torch
+    from suite import Timer, block_mask
+
+    import streamkl
+
+    assert Path(streamkl.__file__).resolve().is_relative_to(Path(args.worker).resolve()), streamkl.__file__
+    n, h = args.n, args.heads
+    timer, overlap = Timer("cuda"), Timer("cuda", overlap_host=True)
+    for name in args.cases.split(","):
+        d, causal, sparsity, grads = CASES[name]
+        inputs = [torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_(i in grads)
+                  for i in range(4)]
+        kwargs = dict(causal=causal, backend="triton")
+        if sparsity is not None:
+            kwargs["mask1"] = kwargs["mask2"] = block_mask(n, h, sparsity, 128, "cuda")
+
+        run = make_run(streamkl, inputs, kwargs, grads)
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        sync = [timer.once(run)[0] for _ in range(args.repeats)]
+        host = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            host.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        back = overlap.overlapped(run, args.repeats)
+        print(json.dumps(dict(tree=args.worker, case=name, sync_ms=round(statistics.median(sync), 4),
+                              host_ms=round(statistics.median(host), 4), overlap_ms=round(statistics.median(back), 4))),
+              flush=True)
+    if args.engine:  # the autograd engine's own cost: a Function doing one scalar op each way on CUDA
+        class Scalar(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.sum()
+
+            @staticmethod
+            def backward(ctx, g):
+                return g.expand(4)
+
+        x = torch.zeros(4, device="cuda", requires_grad=True)
+        spans = []
+        for _ in range(200):
+            loss = Scalar.apply(x)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss.backward()
+            spans.append((time.perf_counter() - start) * 1e6)
+            x.grad = None
+        print(json.dumps(dict(tree=args.worker, case="engine: backward() of a one-op Function",
+                              host_us=round(statistics.median(spans), 1))), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trees", default="old,.")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--interleave", default=None, help="the old tree's package name: both in one process")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.interleave:
+        return interleaved(args)
+    lines = []
+    for round_ in range(args.rounds):
+        for tree in args.trees.split(","):
+            command = [sys.executable, __file__, "--worker", tree, "--cases", args.cases, "--n", str(args.n),
+                       "--heads", str(args.heads), "--repeats", str(args.repeats)]
+            if round_ == 0:
+                command.append("--engine")
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode:
+                print(result.stderr[-3000:], file=sys.stderr)
+            for line in result.stdout.splitlines():
+                row = dict(json.loads(line), round=round_)
+                lines.append(row)
+                print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text("".join(json.dumps(row) + "\n" for row in lines))
+
+
+if __name__ == "__main__":
+    main()
