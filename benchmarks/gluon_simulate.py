@@ -26,6 +26,8 @@ adjustments below are made at run time, in this process only (`_adjust_simulator
   interpreter the same way); `gl.static_range` over plain ints; broadcasts of results whose layout
   the simulator dropped;
 - no tracing (a client without callbacks); float16 inputs (its tracer cannot read bfloat16).
+- TMA descriptors built by their dataclass, on a 2-D view (the simulator reads the base tensor's
+  shape; `common.fast_descriptor`, which the GPU launches use, keeps the unflattened tensor);
 - gluon_backward.py's own builtin `_tma_reduce_add` (the dq2 TMA reduction, DQ_TMA) is patched like
   Gluon's builtins, so the default backward runs as built (tenth session: 22 cases pass with it).
 Fifth session (2026-11-30), CPU: all eight problems below agree with float64 to 2e-7 (KL) and
@@ -155,6 +157,13 @@ def _adjust_simulator():
         def register_op_callback(self, op_type, *args, **kwargs):
             return OpCallbacks()
 
+    from streamkl.backends.triton import common
+
+    def descriptor(cls, t, width, block_shape, layout=None):  # as the dataclass builds it: a 2-D view
+        flat = t.view(-1, width)
+        return cls(flat, list(flat.shape), list(flat.stride()), block_shape, *(() if layout is None else (layout,)))
+
+    common.fast_descriptor = descriptor
     return triton_viz, Quiet
 
 
@@ -296,36 +305,58 @@ def _wrapper_launches(kernel, chunks):
         common.direct_launch, backward.CHUNKS_OVERRIDE = saved
 
 
-def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torch.float16, chunks=1):
+def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torch.float16, chunks=1, mask=None,
+                  window=(-1, -1)):
     """The kernel with BOTH, through its host wrapper (`kl_backward_both`): all four gradients against
-    the float64 reference, E (and lse) from the float64 chunked-PyTorch forward, dense whole tiles,
-    D=128, in `chunks` head chunks."""
+    the float64 reference, E (and lse) from the float64 chunked-PyTorch forward, D=128, in `chunks`
+    head chunks; dense whole tiles, or (LISTED) with `mask` = (density, sides): one random 128-block
+    mask on side 1, and the same on side 2 when sides is 2, and / or a window. The upstream gradient
+    is 0 on rows without side-1 keys (as the GPU tests), where the reference's gradient is NaN."""
     from streamkl.autograd import run_forward
     from streamkl.backends.torch_chunked import TorchChunkedBackend
     from streamkl.backends.triton import gluon_backward
+    from streamkl.backends.triton.gluon_forward import listed
     from streamkl.problem import build_problem
     from streamkl.reference import reference_kl
+    from streamkl.sparse.block_mask import BlockMask
+    from streamkl.sparse.schedule import get_schedule
 
     g = torch.Generator().manual_seed(2)
     dim = 128
     q1, k1, q2, k2 = (torch.randn(batch, n, heads, dim, generator=g).to(dtype) for n in (n_q, n_k, n_q, n_k))
+    kwargs = dict(causal=causal)
+    if mask is not None:
+        density, sides = mask
+        blocks = torch.rand(1, heads, -(-n_q // 128), -(-n_k // 128), generator=g) < density
+        kwargs["mask1"] = BlockMask.from_dense(blocks, 128)
+        if sides == 2:
+            kwargs["mask2"] = kwargs["mask1"]
+    if window != (-1, -1):
+        kwargs["window"] = window
     leaves = [t.double().requires_grad_(True) for t in (q1, k1, q2, k2)]
-    ref, _, _ = reference_kl(*leaves, causal=causal)
+    ref, ref_lse1, _ = reference_kl(*leaves, **kwargs)
     upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    rows = ref_lse1.isfinite().transpose(1, 2)  # [B, N, H] as the rows
+    upstream = torch.where(rows, upstream, 0.0)
     refs = torch.autograd.grad((ref * upstream).sum(), leaves)
-    problem64 = build_problem(*(t.detach() for t in leaves), causal=causal, allow_float64=True)
+    refs = [r.nan_to_num(0.0) for r in refs]
+    problem64 = build_problem(*(t.detach() for t in leaves), allow_float64=True, **kwargs)
     (_, lse1, lse2, expect), _ = run_forward(problem64, TorchChunkedBackend(), *(t.detach() for t in leaves))
-    problem = build_problem(q1, k1, q2, k2, causal=causal)
+    problem = build_problem(q1, k1, q2, k2, **kwargs)
+    schedule = get_schedule(problem, 128, 128) if listed(problem) else None
     lse1, lse2, expect = (t.float().contiguous() for t in (lse1, lse2, expect))
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
     start = time.time()
     with _wrapper_launches(kernel, chunks):
-        got = gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, upstream.float())
+        got = gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, upstream.float(),
+                                              schedule)
     errors = [((a.double() - e).norm() / e.norm()).item() for a, e in zip(got, refs)]
-    print(f"both sides B{batch} Nq{n_q} Nk{n_k} H{heads} D128 causal={causal} chunks={chunks}: relative L2 error dq1 "
-          f"{errors[0]:.1e}, dk1 {errors[1]:.1e}, dq2 {errors[2]:.1e}, dk2 {errors[3]:.1e} "
-          f"({time.time() - start:.1f} s)", flush=True)
-    return max(errors)
+    finite = all(bool(a.isfinite().all()) for a in got)
+    extra = (f" mask {mask}" if mask is not None else "") + (f" window {window}" if window != (-1, -1) else "")
+    print(f"both sides B{batch} Nq{n_q} Nk{n_k} H{heads} D128 causal={causal}{extra} chunks={chunks}: relative L2 "
+          f"error dq1 {errors[0]:.1e}, dk1 {errors[1]:.1e}, dq2 {errors[2]:.1e}, dk2 {errors[3]:.1e}, all finite "
+          f"{finite} ({time.time() - start:.1f} s)", flush=True)
+    return max(errors) if finite else float("inf")
 
 
 def main():
@@ -404,7 +435,12 @@ def main():
     if "--both" in sys.argv:  # the kernel with BOTH (all four gradients)
         worst = max(simulate_both(triton_viz, client, *case) for case in
                     ((1, 128, 128, 1, False), (1, 128, 256, 2, True), (2, 256, 256, 2, True, torch.float16, 2),
-                     (1, 192, 384, 1, False)))
+                     (1, 192, 384, 1, False),
+                     # LISTED (twelfth session): a mask on both sides (rows without keys), on side 1 only,
+                     # with causality, a window alone
+                     (1, 384, 384, 2, False, torch.float16, 1, (0.5, 2)),
+                     (1, 256, 384, 2, True, torch.float16, 1, (0.6, 1)),
+                     (1, 256, 256, 1, False, torch.float16, 1, None, (100, 30))))
         print(f"worst relative error {worst:.1e}")
         sys.exit(0 if worst < 2e-2 else 1)
     worst = max(simulate_backward(triton_viz, client, *case) for case in backward_cases)

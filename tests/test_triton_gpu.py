@@ -653,8 +653,19 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert not both(case(causal=True, **mha), (False, True, True, True))
     assert not both(case(causal=True, **mha), student)
     assert not both(case(causal=True, dims=(64, 64), **mha))
+    # block masks / a window (BOTH_LISTED): side 2 masked as side 1 (the same pattern) or not at all
+    assert both(case(mask1=mask, mask2=mask, **mha))
+    assert both(case(mask1=mask, causal=True, **mha))
+    assert both(case(window=(100, 20), **mha))
+    other = BlockMask.from_dense(torch.ones(1, 1, 2, 2, dtype=torch.bool), 128)
+    assert not both(case(mask1=mask, mask2=other, **mha))  # (equal values, another pattern: not compared)
+    assert not both(case(mask2=mask, **mha))  # side-2 mask alone: rows of infinite KL
+    assert not both(case(mask1=small, mask2=small, **mha))  # blocks smaller than the tiles
+    monkeypatch.setattr(gluon_backward, "BOTH_LISTED", False)
     assert not both(case(mask1=mask, mask2=mask, **mha))
+    monkeypatch.setattr(gluon_backward, "BOTH_LISTED", True)
     assert not both(case(causal=True, n=(200, 300), **mha))  # partial tiles
+    assert not both(case(mask1=mask, n=(200, 256), **mha))  # partial tiles with a mask
     monkeypatch.setattr(gluon_backward, "DQ_TMA", False)  # dq1 goes by TMA reductions only
     assert not both(case(causal=True, **mha))
     monkeypatch.setattr(gluon_backward, "DQ_TMA", True)
@@ -804,6 +815,46 @@ def test_gluon_both_sides_backward_matches_reference(monkeypatch):
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True, deterministic=True)
     assert len(calls) == 4
+
+
+def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
+    """BOTH over the key schedule's lists (`gluon_backward.BOTH_LISTED`, twelfth session): the same
+    block mask on both sides (query blocks without keys: their rows' gradients 0), a side-1 mask
+    alone, with causality, a window alone, against the float64 reference; different masks on the
+    two sides (rows of infinite KL) take backward.py."""
+    from streamkl import BlockMask
+    from streamkl.backends.triton import gluon_backward
+
+    _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_backward, "BOTH_LISTED", True)
+    calls = []
+    original = gluon_backward.kl_backward_both
+    monkeypatch.setattr(gluon_backward, "kl_backward_both", lambda *a: calls.append(1) or original(*a))
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+
+    def mask(n_q, n_k, density):
+        pattern = torch.rand(1, 4, n_q // 128, n_k // 128, device=DEVICE, generator=g) < density
+        pattern[:, :, 0, 0] = True
+        pattern[:, 1, -1] = False  # a query block without keys
+        return BlockMask.from_dense(pattern, 128)
+
+    cases = [((384, 512), False, torch.bfloat16, "same", (-1, -1)),
+             ((256, 384), True, torch.float16, "side 1", (-1, -1)),
+             ((512, 512), False, torch.bfloat16, None, (200, 70))]
+    for (n_q, n_k), causal, dtype, masks, window in cases:
+        x = make_inputs((2, n_q), (2, n_k), 4, (4, 4), (128, 128), dtype, DEVICE, (True, True, True, True))
+        kwargs = dict(causal=causal, window=window)
+        if masks is not None:
+            kwargs["mask1"] = mask(n_q, n_k, 0.5)
+            if masks == "same":
+                kwargs["mask2"] = kwargs["mask1"]
+        check_against_reference(x, "triton", **kwargs)
+    assert len(calls) == 3
+    x = make_inputs((1, 256), (1, 256), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
+    check_against_reference(x, "triton", mask1=mask(256, 256, 0.9), mask2=mask(256, 256, 0.6))
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize(
@@ -1034,6 +1085,7 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         " tma_dq=True)),\n"
         "    'backward listed': (False, lambda: b.compile_for_hopper(bf16, 128, True, True)),\n"
         "    'backward both sides causal': (False, lambda: b.compile_for_hopper(bf16, 128, True, both=True)),\n"
+        "    'backward both sides listed': (False, lambda: b.compile_for_hopper(bf16, 128, False, True, both=True)),\n"
         "    'backward D64 packed tails gqa': (False, lambda: b.compile_for_hopper(fp16, 64, False, False, True, True,"
         " True, True)),\n"
         "}\n"

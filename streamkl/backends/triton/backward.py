@@ -646,7 +646,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
         return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
     if gluon_backward.applies_both(problem, q1, k1, q2, k2, needs, deterministic):  # all four, one kernel (sm_90)
-        return gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows)
+        if not gluon_backward.listed(problem) or (schedule.block_q, schedule.block_k) == (128, gluon_backward.BLOCK_N):
+            return gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule)
     if gluon_backward.chosen(problem, q1, k1, q2, k2, needs, deterministic):  # sm_90 (gluon_backward.py)
         if not gluon_backward.listed(problem) or (schedule.block_q, schedule.block_k) == (128, gluon_backward.BLOCK_N):
             return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule)

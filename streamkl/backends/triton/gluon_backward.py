@@ -421,10 +421,18 @@ if GLUON_IMPORT_ERROR is None:
                 st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                 if LISTED:
                     visit = i // 2
-                    if visit < n_full_listed:
-                        p = gl.exp2(st1 * scale1 - lse1[:, None])
-                        q = gl.exp2(st2 * scale2 - lse2[:, None])
+                    if visit < n_full_listed:  # (every row of a full pair has keys on both sides)
+                        if BOTH:  # (u2, not a2: the else branch's a2 is a mask, one name one type)
+                            u2 = st2 * scale2 - lse2[:, None]
+                            t = st1 * scale1 - lse1[:, None] - u2
+                            p = gl.exp2(u2 + t)
+                            q = gl.exp2(u2)
+                        else:
+                            p = gl.exp2(st1 * scale1 - lse1[:, None])
+                            q = gl.exp2(st2 * scale2 - lse2[:, None])
                         ds = g[:, None] * (q - p)
+                        if BOTH:
+                            ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
                     else:  # a partial pair: backward._tile_dscores's masks, transposed
                         tile_flags = gl.load(flags_list + visit).to(gl.int32)
                         a1, a2 = _listed_allowed(o_i[:, None], o_j[None, :], tile_flags, len_q, len_k,
@@ -432,6 +440,10 @@ if GLUON_IMPORT_ERROR is None:
                         p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[:, None])
                         q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[:, None])
                         ds = gl.where(a2, g[:, None] * (q - p), 0.0)  # dS2 kept to side 2's support
+                        if BOTH:  # (side 2 allows every key side 1 does: `applies_both`); selected, as
+                            # t and E are NaN on rows without keys (lse +inf, E -inf - -inf)
+                            t = (st1 * scale1 - lse1[:, None]) - (st2 * scale2 - lse2[:, None])
+                            ds1 = gl.where(a1, g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None]), 0.0)
                 else:
                     if BOTH:  # t = log2(p / q) first, so that p, q and t are all that stay live (registers)
                         a2 = st2 * scale2 - lse2[:, None]
@@ -792,8 +804,9 @@ BOTH_SIDES = True
 
 def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
     """Whether all four gradients come from the Gluon kernel with BOTH: 16-bit inputs, D=128 on
-    both sides, no GQA, dense sequences of whole tiles (causal or not), no block masks or window;
-    sm_90; not deterministic; STREAMKL_GLUON not 0; dq by TMA reductions (`DQ_TMA`)."""
+    both sides, no GQA, dense sequences of whole tiles (causal or not), or with block masks / a
+    window (LISTED: whole 128-row tiles, mask blocks of at least 128, side 2 masked as side 1 or
+    not at all); sm_90; not deterministic; STREAMKL_GLUON not 0; dq by TMA reductions (`DQ_TMA`)."""
     if not BOTH_SIDES or GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
         return False
     if not DQ_TMA:  # dq1 is added by TMA reductions only
@@ -806,7 +819,21 @@ def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -
         return False
     if problem.heads_k2 != problem.heads:
         return False
-    if listed(problem) or problem.is_varlen or tile_fit(problem) != "whole":
+    if problem.is_varlen:
+        return False
+    if listed(problem):  # block masks / a window (BOTH_LISTED), as the student's `applies` takes them
+        if not BOTH_LISTED or problem.seqlen_k % BLOCK_N or problem.seqlen_q % 128 or problem.seqlen_q == 0:
+            return False
+        for mask in (problem.mask1, problem.mask2):
+            if mask is not None and (mask.block_q < 128 or mask.block_k < BLOCK_N):
+                return False
+        # side 2 allows every key side 1 does (no side-2 mask, or the same pattern): no row's KL is
+        # +inf, and dS1 needs no case for keys that side 1 takes and side 2 masks
+        mask1, mask2 = problem.mask1, problem.mask2
+        if mask2 is not None and (mask1 is None or mask1.pattern is not mask2.pattern
+                                  or (mask1.block_q, mask1.block_k) != (mask2.block_q, mask2.block_k)):
+            return False
+    elif tile_fit(problem) != "whole":
         return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q1, k1, q2, k2)):
         return False
@@ -815,11 +842,17 @@ def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -
     return capability(device_index(problem))[0] == 9
 
 
-def kl_backward_both(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows):
-    """(dq1, dk1, dq2, dk2) through the kernel with BOTH; `applies_both()` must hold. Two float32
-    dq accumulators, head-chunked as the student's (two chunks: together the size of one 16-bit
-    dq pair, under the four gradients returned)."""
-    return _backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, None, expect)
+#: BOTH with block masks or a window (LISTED), where `applies_both` allows it. Written in the twelfth
+#: session for the 90 % block-sparse target (backward.py's two kernels there before).
+BOTH_LISTED = True
+
+
+def kl_backward_both(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule=None):
+    """(dq1, dk1, dq2, dk2) through the kernel with BOTH; `applies_both()` must hold (and, with
+    block masks or a window, a schedule of 128 x 128 tiles be given). Two float32 dq accumulators,
+    head-chunked as the student's (two chunks: together the size of one 16-bit dq pair, under the
+    four gradients returned)."""
+    return _backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, expect)
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule=None):
@@ -840,7 +873,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     both = expect is not None
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
-    dk1 = torch.empty_like(k1) if both else None  # (BOTH: dense sequences only)
+    dk1 = torch.empty_like(k1) if both else None  # (BOTH: dense sequences only, every key written)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
     # g head-major (a row stride of 1, as lse's): each thread's rows are one base's immediate offsets
     g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
