@@ -653,7 +653,10 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert not both(case(causal=True, **mha), (False, True, True, True))
     assert not both(case(causal=True, **mha), student)
     assert not both(case(causal=True, dims=(64, 64), **mha))
-    # block masks / a window (BOTH_LISTED): side 2 masked as side 1 (the same pattern) or not at all
+    # block masks / a window (BOTH_LISTED, off by default): side 2 masked as side 1 (the same
+    # pattern) or not at all
+    assert not both(case(mask1=mask, mask2=mask, **mha))
+    monkeypatch.setattr(gluon_backward, "BOTH_LISTED", True)
     assert both(case(mask1=mask, mask2=mask, **mha))
     assert both(case(mask1=mask, causal=True, **mha))
     assert both(case(window=(100, 20), **mha))

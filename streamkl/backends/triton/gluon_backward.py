@@ -843,8 +843,13 @@ def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -
 
 
 #: BOTH with block masks or a window (LISTED), where `applies_both` allows it. Written in the twelfth
-#: session for the 90 % block-sparse target (backward.py's two kernels there before).
-BOTH_LISTED = True
+#: session for the 90 % block-sparse target and off by default: measured on the H200 (N=16K, H=16,
+#: bf16, the same 90 % mask both sides, all four gradients, torch.profiler) its kernel took 2.14 ms
+#: against backward.py's two (dq 1.01 + dk 1.28 ms), but its float32 dq accumulators' zero fill and
+#: casts 0.24 ms more, which backward.py's query-major dq pass writes directly: 2.94 against 2.84 ms
+#: forward + backward back to back (benchmarks/results/ab_both_listed_h200.json). Tested (GPU, the
+#: simulator) with it switched on.
+BOTH_LISTED = False
 
 
 def kl_backward_both(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule=None):
