@@ -90,11 +90,7 @@ def interleaved(args):
         for rep in range(args.repeats):
             for label in (("old", "new") if rep % 2 else ("new", "old")):
                 sync[label].append(timer.once(runs[label])[0])
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                runs[label]()
-                host[label].append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()
+                host[label] += timer.host_ms(runs[label], 1)
         for label in runs:
             row = dict(case=name, tree=label, sync_ms=round(statistics.median(sync[label]), 4),
                        host_ms=round(statistics.median(host[label]), 4),
@@ -129,13 +125,7 @@ def worker(args):
             run()
         torch.cuda.synchronize()
         sync = [timer.once(run)[0] for _ in range(args.repeats)]
-        host = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            run()
-            host.append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()
+        host = timer.host_ms(run, args.repeats)
         back = overlap.overlapped(run, args.repeats)
         print(json.dumps(dict(tree=args.worker, case=name, sync_ms=round(statistics.median(sync), 4),
                               host_ms=round(statistics.median(host), 4), overlap_ms=round(statistics.median(back), 4))),

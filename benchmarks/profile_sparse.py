@@ -20,7 +20,6 @@ import json
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -74,13 +73,7 @@ def profile(args, sparsity: float, mode: str, gluon):
     torch.cuda.synchronize()
     sync = [timer.once(run)[0] for _ in range(args.repeats)]
     overlapped = Timer("cuda", overlap_host=True).overlapped(run, args.repeats)
-    host = []
-    for _ in range(args.repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        host.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
+    host = timer.host_ms(run, args.repeats)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()

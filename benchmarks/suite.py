@@ -201,6 +201,17 @@ class Timer:
         peak = torch.cuda.max_memory_allocated() - base if memory else None
         return start.elapsed_time(end), peak
 
+    def host_ms(self, fn, repeats: int) -> list[float]:
+        """The Python time of `repeats` calls, ms, the device synchronized before each (the GPU idle)."""
+        spans = []
+        for _ in range(repeats):
+            self.sync()
+            start = time.perf_counter()
+            fn()
+            spans.append((time.perf_counter() - start) * 1e3)
+        self.sync()
+        return spans
+
     def measure(self, fn, rep_ms: float, warmup_ms: float, warm: bool = True) -> dict:
         first_s = None
         if warm:

@@ -793,21 +793,29 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     assert len(calls) == 8 and len(bwd_calls) == 7  # STREAMKL_GLUON=0: neither
 
 
+def _count_both_sides_calls(monkeypatch, **switches) -> list:
+    """Skip off sm_90; set gluon_backward's switches; the returned list grows by one per call of
+    the kernel with BOTH (`kl_backward_both`)."""
+    from streamkl.backends.triton import gluon_backward
+
+    _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    for name, value in switches.items():
+        monkeypatch.setattr(gluon_backward, name, value)
+    calls = []
+    original = gluon_backward.kl_backward_both
+    monkeypatch.setattr(gluon_backward, "kl_backward_both", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
 @gpu
 def test_gluon_both_sides_backward_matches_reference(monkeypatch):
     """All four gradients by the Gluon kernel with BOTH (`gluon_backward.BOTH_SIDES`, the default
     since the eleventh session, when this first ran on the H200): dense whole tiles, D=128, both
     16-bit dtypes, causal (Nk > Nq too) or not, against the float64 reference; three gradients
     of four, or a deterministic call, take backward.py."""
-    from streamkl.backends.triton import gluon_backward
-
-    _gluon()
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
-    monkeypatch.setattr(gluon_backward, "BOTH_SIDES", True)
-    calls = []
-    original = gluon_backward.kl_backward_both
-    monkeypatch.setattr(gluon_backward, "kl_backward_both", lambda *a: calls.append(1) or original(*a))
+    calls = _count_both_sides_calls(monkeypatch, BOTH_SIDES=True)
     for (n_q, n_k), causal, dtype in (((256, 384), True, torch.bfloat16), ((384, 384), False, torch.bfloat16),
                                       ((256, 256), True, torch.float16), ((128, 512), False, torch.float16)):
         x = make_inputs((2, n_q), (2, n_k), 4, (4, 4), (128, 128), dtype, DEVICE, (True, True, True, True))
@@ -820,21 +828,15 @@ def test_gluon_both_sides_backward_matches_reference(monkeypatch):
     assert len(calls) == 4
 
 
+@gpu
 def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
     """BOTH over the key schedule's lists (`gluon_backward.BOTH_LISTED`, twelfth session): the same
     block mask on both sides (query blocks without keys: their rows' gradients 0), a side-1 mask
     alone, with causality, a window alone, against the float64 reference; different masks on the
     two sides (rows of infinite KL) take backward.py."""
     from streamkl import BlockMask
-    from streamkl.backends.triton import gluon_backward
 
-    _gluon()
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
-    monkeypatch.setattr(gluon_backward, "BOTH_LISTED", True)
-    calls = []
-    original = gluon_backward.kl_backward_both
-    monkeypatch.setattr(gluon_backward, "kl_backward_both", lambda *a: calls.append(1) or original(*a))
+    calls = _count_both_sides_calls(monkeypatch, BOTH_LISTED=True)
     g = torch.Generator(device=DEVICE).manual_seed(5)
 
     def mask(n_q, n_k, density):
