@@ -250,7 +250,7 @@ _COMPILED: dict = {}
 
 
 class _Unkeyed(Exception):
-    """An argument `_arg_key` has no rule for: launch through Triton's own path."""
+    """An argument `_arg_keys` has no rule for: launch through Triton's own path."""
 
 
 def _arg_keys(args) -> tuple:
