@@ -316,6 +316,21 @@ if GLUON_IMPORT_ERROR is None:
         return tile_row0, fresh_row0, h_in
 
     @gluon.jit
+    def _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH: gl.constexpr):
+        """(p, q, t) of a step's unmasked scores: with BOTH, t = log2(p / q) first, so that p, q and t
+        are all that stay live (registers); else t is p (unused)."""
+        if BOTH:
+            u2 = st2 * scale2 - lse2[:, None]
+            t = st1 * scale1 - lse1[:, None] - u2
+            p = gl.exp2(u2 + t)
+            q = gl.exp2(u2)
+        else:
+            p = gl.exp2(st1 * scale1 - lse1[:, None])
+            q = gl.exp2(st2 * scale2 - lse2[:, None])
+            t = p
+        return p, q, t
+
+    @gluon.jit
     def _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn, stride_sh, stride_gh,
                     BLOCK_M: gl.constexpr, GQA2: gl.constexpr, layout: gl.constexpr):
         """A step's rows' statistics (lse1, lse2, g) in `layout`: 64-bit bases from the step's first
@@ -422,14 +437,7 @@ if GLUON_IMPORT_ERROR is None:
                 if LISTED:
                     visit = i // 2
                     if visit < n_full_listed:  # (every row of a full pair has keys on both sides)
-                        if BOTH:  # (u2, not a2: the else branch's a2 is a mask, one name one type)
-                            u2 = st2 * scale2 - lse2[:, None]
-                            t = st1 * scale1 - lse1[:, None] - u2
-                            p = gl.exp2(u2 + t)
-                            q = gl.exp2(u2)
-                        else:
-                            p = gl.exp2(st1 * scale1 - lse1[:, None])
-                            q = gl.exp2(st2 * scale2 - lse2[:, None])
+                        p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH)
                         ds = g[:, None] * (q - p)
                         if BOTH:
                             ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
@@ -445,14 +453,7 @@ if GLUON_IMPORT_ERROR is None:
                             t = (st1 * scale1 - lse1[:, None]) - (st2 * scale2 - lse2[:, None])
                             ds1 = gl.where(a1, g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None]), 0.0)
                 else:
-                    if BOTH:  # t = log2(p / q) first, so that p, q and t are all that stay live (registers)
-                        a2 = st2 * scale2 - lse2[:, None]
-                        t = st1 * scale1 - lse1[:, None] - a2
-                        p = gl.exp2(a2 + t)
-                        q = gl.exp2(a2)
-                    else:
-                        p = gl.exp2(st1 * scale1 - lse1[:, None])
-                        q = gl.exp2(st2 * scale2 - lse2[:, None])
+                    p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH)
                     if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
                         allowed = (o_j >= k_fresh)[None, :] & (o_i >= fresh_row0)[:, None]
                         if CAUSAL:
