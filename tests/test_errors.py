@@ -448,3 +448,29 @@ def test_empty_env_backend_means_auto(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "")
     args = dense()
     assert torch.isfinite(streamkl.kl(*(args[n] for n in NAMES)))
+
+
+def test_validated_calls_are_remembered_by_metadata_only():
+    """`build_problem` gives a call with the metadata, options, cu_seqlens (same version) and masks
+    of a validated call that call's Problem, and validates anything else again: other metadata,
+    an option of another type (1 for True), a table changed in place."""
+    from streamkl.problem import build_problem
+
+    x = [torch.randn(1, 32, 2, 8) for _ in range(4)]
+    first = build_problem(*x, causal=True)
+    assert build_problem(*[t.clone() for t in x], causal=True) is first
+    assert build_problem(*x, causal=False) is not first
+    with pytest.raises(TypeError, match="causal"):
+        build_problem(*x, causal=1)
+    assert build_problem(x[0].requires_grad_(True), *x[1:], causal=True) is not first
+    transposed = x[1].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, other strides
+    assert build_problem(x[0], transposed, *x[2:], causal=True) is not first
+    with pytest.raises(TypeError, match="q2"):
+        build_problem(x[0], x[1], x[2].double(), x[3], causal=True)
+    packed = [torch.randn(40, 2, 8) for _ in range(4)]
+    cu = torch.tensor([0, 10, 40], dtype=torch.int32)
+    assert build_problem(*packed, cu_seqlens=cu) is build_problem(*packed, cu_seqlens=cu)
+    cu[1] = 50  # in place: a new version, validated again
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        build_problem(*packed, cu_seqlens=cu)
+    assert build_problem(*x, window=[4, 4]) is not build_problem(*x, window=[4, 4])  # a list: each time

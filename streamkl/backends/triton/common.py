@@ -338,6 +338,12 @@ def direct_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps:
         if entry is None and hasattr(compiled, "packed_metadata") and set(names) == set(constexprs):
             _COMPILED[key] = (compiled, tuple(constexprs[name] for name in names))
         return compiled
+    return run_compiled(entry, grid, args)
+
+
+def run_compiled(entry, grid: tuple, args: tuple):
+    """Launch `entry` = (a compiled kernel, its constexprs' values in parameter order) on the
+    current stream through its own launcher (`direct_launch`'s second path)."""
     compiled, tail = entry
     stream = torch.cuda.current_stream().cuda_stream
     grid = (*grid, 1, 1)

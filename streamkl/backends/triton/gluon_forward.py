@@ -525,10 +525,11 @@ def descriptors(problem: Problem, q1, k1, q2, k2, block_n: int):
     return [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, block_n), (q2, BLOCK_M), (k2, block_n))]
 
 
-def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, overlap: bool, schedule=None):
-    """(grid, positional arguments, constexprs) of one launch: one program per (128-row query
-    tile, sequence, head), sized by the longest sequence under varlen (the others' extra programs
-    return at once). Block masks or a window (`listed`): `schedule` must have 128 x 128 tiles."""
+def launch_plan(problem: Problem, overlap: bool, schedule=None):
+    """What one launch takes that the call's tensors do not change: (grid, constexprs, key tile,
+    the six tensors after the outputs (cu_seqlens and the schedule's lists; None: a placeholder, the
+    call's kl_rows), the scalar arguments after them). Block masks or a window (`listed`):
+    `schedule` must have 128 x 128 tiles."""
     from streamkl.backends.triton.common import (
         broadcast_strides,
         cdiv,
@@ -544,7 +545,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, o
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
     q_programs = cdiv(problem.seqlen_q, BLOCK_M)
-    cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (kl_rows, kl_rows)
+    cu = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (None, None)
     is_listed = listed(problem)
     if is_listed:
         assert schedule is not None and (schedule.block_q, schedule.block_k) == (BLOCK_M, block_n)
@@ -552,29 +553,56 @@ def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, o
         list_strides = (*broadcast_strides(schedule.kv_count), *broadcast_strides(schedule.kv_index)[:3])
         window = window_bounds(problem)
     else:
-        lists, list_strides, window = (kl_rows,) * 4, (0,) * 6, (-1, -1)
-    args = (
-        *descriptors(problem, q1, k1, q2, k2, block_n),
-        kl_rows, lse1, lse2, expect, cu_q, cu_k, *lists,
-        *row_strides(kl_rows, varlen), *stat_strides(lse1, varlen), *list_strides, *window,
+        lists, list_strides, window = (None,) * 4, (0,) * 6, (-1, -1)
+    rows = torch.empty(problem.row_shape, device="meta")  # the outputs' strides (new_outputs: contiguous)
+    stats = torch.empty(problem.lse_shape, device="meta")
+    scalars = (
+        *row_strides(rows, varlen), *stat_strides(stats, varlen), *list_strides, *window,
         problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
         scale1, scale2, q_programs,
     )  # fmt: skip
     constexprs = dict(D1=problem.dim1, D2=problem.dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=problem.causal,
                       OVERLAP=overlap, VARLEN=varlen, TAIL=varlen or problem.seqlen_k % block_n != 0,
                       LISTED=is_listed)
-    return (q_programs * problem.batch * problem.heads,), args, constexprs
+    return (q_programs * problem.batch * problem.heads,), constexprs, block_n, (*cu, *lists), scalars
+
+
+def launch_args(problem: Problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, overlap: bool, schedule=None,
+                plan=None):
+    """(grid, positional arguments, constexprs) of one launch: one program per (128-row query
+    tile, sequence, head), sized by the longest sequence under varlen (the others' extra programs
+    return at once); `plan`: `launch_plan`'s, made here if not given."""
+    grid, constexprs, block_n, tensors, scalars = plan or launch_plan(problem, overlap, schedule)
+    args = (
+        *descriptors(problem, q1, k1, q2, k2, block_n),
+        kl_rows, lse1, lse2, expect, *(kl_rows if t is None else t for t in tensors), *scalars,
+    )  # fmt: skip
+    return grid, args, constexprs
 
 
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule=None):
     """(kl_rows, lse1, lse2, expect) through the Gluon kernel; `applies()` must hold (and, with
-    block masks or a window, a schedule of 128 x 128 tiles be given)."""
-    from streamkl.backends.triton.common import direct_launch
+    block masks or a window, a schedule of 128 x 128 tiles be given). The launch plan is kept with
+    the problem (`problem.extra`: the front end hands a call with a validated call's metadata that
+    call's Problem, `build_problem`), for its schedule and `OVERLAP`."""
+    from streamkl.backends.triton.common import direct_launch, launch_hooks_active, run_compiled
 
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
-    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, OVERLAP, schedule)
-    direct_launch(_kl_fwd_gluon_kernel, grid, args, constexprs, 4)
+    kept = problem.extra.get("gluon_forward_plan")
+    if kept is None or kept[0] is not schedule or kept[1] != OVERLAP:
+        kept = problem.extra["gluon_forward_plan"] = [schedule, OVERLAP, launch_plan(problem, OVERLAP, schedule), None]
+    grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, OVERLAP, schedule,
+                                         kept[2])
+    # every argument's specialization is the plan's (the inputs 16-byte aligned: `applies`; the
+    # outputs new), so the compiled kernel is too: launched without `direct_launch`'s key
+    if kept[3] is not None and not launch_hooks_active():
+        run_compiled(kept[3], grid, args)
+    else:
+        compiled = direct_launch(_kl_fwd_gluon_kernel, grid, args, constexprs, 4)
+        names = _kl_fwd_gluon_kernel.arg_names[len(args):]
+        if hasattr(compiled, "packed_metadata") and set(names) == set(constexprs):
+            kept[3] = (compiled, tuple(constexprs[name] for name in names))
     return kl_rows, lse1, lse2, expect
 
 
