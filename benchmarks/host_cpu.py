@@ -90,6 +90,7 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="cProfile the calls instead, by own time")
+    parser.add_argument("--callees", default=None, help="with --profile: also what functions matching this call")
     args = parser.parse_args()
     sys.path.insert(0, str(emulated_package()))
     import torch
@@ -132,7 +133,10 @@ def main():
         for _ in range(args.repeats):
             run()
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
+        stats = pstats.Stats(profiler).sort_stats("tottime")
+        stats.print_stats(40)
+        if args.callees:
+            stats.print_callees(args.callees)
         return
     for _ in range(args.repeats):
         run(record=True)

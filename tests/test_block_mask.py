@@ -13,7 +13,15 @@ import streamkl
 from streamkl import BlockMask
 from streamkl.problem import build_problem
 from streamkl.reference import allowed_matrix
-from streamkl.sparse.schedule import MIXED, OFF2, STRUCTURAL, build_schedule, get_schedule, transpose_schedule
+from streamkl.sparse.schedule import (
+    MIXED,
+    OFF2,
+    STRUCTURAL,
+    build_schedule,
+    get_schedule,
+    heaviest_first,
+    transpose_schedule,
+)
 from streamkl.varlen import cu_seqlens_from_lengths
 
 
@@ -259,6 +267,37 @@ def test_schedule_is_cached_per_mask_and_shape():
     assert get_schedule(problem, 16, 32) is not first
     other = BlockMask.from_dense(torch.ones(1, 1, 2, 2, dtype=torch.bool, device=DEVICE), 32)
     assert get_schedule(build_problem(q, q, q, q, mask1=other), 32, 32) is not first
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 4)])
+def test_heaviest_first_orders_each_heads_tiles_by_visits(shape):
+    """The program table of the Gluon backward (`HEAVY_FIRST`): a permutation of one launch's ids
+    that keeps each (sequence, head) block in place and lists its tiles by visit count, most first,
+    ties in launch order; for a head chunk with a GQA step, and with the forward's reversed ids."""
+    g = torch.Generator().manual_seed(3)
+    seqs, heads_c = shape
+    counts = torch.randint(0, 5, (seqs, heads_c, 6), generator=g, dtype=torch.int32).to(DEVICE)
+    batch, heads, programs = 2, 4, 6
+    for head_lo, step, reverse in ((0, 1, False), (0, 1, True), (2, 2, False), (1, 2, False)):
+        n_heads = (heads - head_lo) // step if heads_c > 1 else 2
+        order = heaviest_first(counts, batch, head_lo, n_heads, step, programs, reversed_ids=reverse)
+        assert order.dtype == torch.int32
+        order = order.cpu().long()
+        assert sorted(order.tolist()) == list(range(batch * n_heads * programs))
+        expanded = counts.cpu().expand(batch, max(heads_c, head_lo + (n_heads - 1) * step + 1), 6)
+        for block, ids in enumerate(order.view(batch * n_heads, programs)):
+            seq, j = divmod(block, n_heads)
+            assert ((ids // programs) == block).all()  # the block's own ids, in the block's place
+            tiles = ids % programs
+            if reverse:
+                tiles = programs - 1 - tiles
+            visits = expanded[seq, head_lo + j * step, tiles]
+            assert (visits[:-1] >= visits[1:]).all()
+            ties = visits[:-1] == visits[1:]
+            assert (ids[:-1][ties] < ids[1:][ties]).all()  # stable: launch order among equals
+        again = heaviest_first(counts, batch, head_lo, n_heads, step, programs, reversed_ids=reverse)
+        assert again.data_ptr() == heaviest_first(counts, batch, head_lo, n_heads, step, programs,
+                                                  reversed_ids=reverse).data_ptr()  # kept
 
 
 def test_mean_count_is_kept_per_schedule_and_shape():

@@ -263,3 +263,43 @@ def get_key_schedule(schedule: TileSchedule) -> KeyTileSchedule:
     while len(_KEY_CACHE) > _CACHE_SIZE:
         _KEY_CACHE.popitem(last=False)
     return result
+
+
+# ------------------------------------------------------------------------------- program order
+_ORDER_CACHE: OrderedDict = OrderedDict()
+
+
+def heaviest_first(counts: torch.Tensor, batch: int, head_lo: int, heads: int, head_step: int,
+                   programs: int, reversed_ids: bool = False) -> torch.Tensor:
+    """Program ids for a kernel that reads its id from a table: within each (sequence, head), the
+    tiles with the most visits (`counts` [S', H', n], broadcast over size-1 dims, e.g. a key
+    schedule's q_count) first; (sequence, head) blocks keep their order, so the programs running
+    at once still share one head's tiles in L2. Ids are the kernel's flat launch ids,
+    `(seq * heads + j) * programs + tile` for head `head_lo + j * head_step` (`reversed_ids`: the
+    tile is `programs - 1 - id % programs`, as the Gluon forward counts). Launched in this order
+    the GPU's block scheduler ends on the shortest programs: a longest-first list schedule, whose
+    tail is one short program instead of one long one (90 % random block sparsity, key-major
+    backward: ~9 % shorter in a simulation of 132 SMs). int32 [batch * heads * programs], kept
+    per counts tensor and launch shape (not while capturing a CUDA graph or compiling)."""
+    key = (id(counts), batch, head_lo, heads, head_step, programs, reversed_ids)
+    keep = not torch.compiler.is_compiling() and not (
+        counts.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if keep:
+        hit = _ORDER_CACHE.get(key)
+        if hit is not None and hit[0] is counts:
+            _ORDER_CACHE.move_to_end(key)
+            return hit[1]
+    full_heads = max(counts.shape[1], head_lo + (heads - 1) * head_step + 1)
+    chosen = counts.expand(batch, full_heads, counts.shape[2])[:, head_lo:head_lo + heads * head_step:head_step]
+    chosen = chosen[..., :programs]
+    assert chosen.shape == (batch, heads, programs), (chosen.shape, batch, heads, programs)
+    if reversed_ids:
+        chosen = chosen.flip(-1)
+    tiles = torch.sort(chosen, dim=-1, descending=True, stable=True).indices
+    base = torch.arange(batch * heads, device=counts.device, dtype=torch.int64).view(batch, heads, 1) * programs
+    order = (tiles + base).reshape(-1).to(torch.int32)
+    if keep:
+        _ORDER_CACHE[key] = (counts, order)
+        while len(_ORDER_CACHE) > 64:
+            _ORDER_CACHE.popitem(last=False)
+    return order

@@ -57,7 +57,7 @@ from streamkl.backends.triton.common import (
 )
 from streamkl.backends.triton.forward import _multiprocessors
 from streamkl.problem import Problem
-from streamkl.sparse.schedule import TileSchedule, get_key_schedule, get_schedule
+from streamkl.sparse.schedule import TileSchedule, get_key_schedule, get_schedule, heaviest_first
 
 
 @triton.jit
@@ -322,6 +322,7 @@ def _kl_bwd_kv_kernel(
     DQ1_DESC, DQ2_DESC,  # DQ_TMA only: the accumulators as 2-D [tokens, heads * dim] descriptors
     CU_Q, CU_K,
     Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,
+    ORDER,  # ORDERED only: the launch ids in the order to run them (`schedule.heaviest_first`)
     stride_q1b, stride_q1n, stride_q1h,
     stride_k1b, stride_k1n, stride_k1h,
     stride_q2b, stride_q2n, stride_q2h,
@@ -344,12 +345,16 @@ def _kl_bwd_kv_kernel(
     USE_VARLEN: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
     NEED_DK1: tl.constexpr, NEED_DK2: tl.constexpr, ATOMIC_DQ1: tl.constexpr, ATOMIC_DQ2: tl.constexpr,
     FOLD: tl.constexpr, DQ_TMA: tl.constexpr, NORM_G: tl.constexpr,
+    ORDERED: tl.constexpr,  # this program's id read from ORDER (each head's busiest key tiles first)
 ):
     # one program per (key tile, sequence, key head of the driving side); it loops over the query
     # heads of that key head's group, so the GQA sum stays inside the program. Heads are counted
     # from head_base (a chunk of the heads); the float32 dq accumulators hold the chunk's heads only
-    pid_bh = tl.program_id(0) // k_programs  # flat grid, key tiles fastest
-    pid_k = tl.program_id(0) - pid_bh * k_programs
+    pid = tl.program_id(0)
+    if ORDERED:
+        pid = tl.load(ORDER + pid)
+    pid_bh = pid // k_programs  # flat grid, key tiles fastest
+    pid_k = pid - pid_bh * k_programs
     heads_k = heads // group_drive
     seq = pid_bh // heads_k
     head_k = pid_bh % heads_k + head_base // group_drive  # chunks hold whole groups
@@ -705,6 +710,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         return dq1, dk1, dq2, dk2
     check_tiles(problem, block_q, block_k)
     keys = get_key_schedule(schedule)
+    # block masks or a window: key tiles differ in their query tiles (`gluon_backward.HEAVY_FIRST`)
+    schedule_listed = gluon_backward.listed(problem)
     # one launch when both sides group query heads alike, else one per side
     if side1 and side2 and group1 != group2:
         launches = [(group1, True, False), (group2, False, True)]
@@ -740,18 +747,21 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         for group_drive, on1, on2 in launches:
             atomic1, atomic2 = on1 and atomic and need_dq1, on2 and atomic and need_dq2
             grid = (k_programs * problem.batch * (per_chunk // group_drive),)
+            ordered = bool(gluon_backward.HEAVY_FIRST) and schedule_listed
+            order = heaviest_first(keys.q_count, problem.batch, lo, per_chunk // group_drive, group_drive,
+                                   k_programs) if ordered else placeholder
             args = (
                 q1, k1, q2, k2, lse1, lse2, expect, grad_rows, g_scale,
                 dk1 if on1 and need_dk1 else placeholder, dk2 if on2 and need_dk2 else placeholder,
                 accum[0] if atomic1 else placeholder, accum[1] if atomic2 else placeholder,
                 *((d if d is not None else placeholder) for d in (dq_descs or (None, None))),
-                cu_q, cu_k, *tables, *strides, *out_strides(accum[0]), *out_strides(accum[1]), *table_strides,
+                cu_q, cu_k, *tables, order, *strides, *out_strides(accum[0]), *out_strides(accum[1]), *table_strides,
                 problem.seqlen_q, problem.seqlen_k, per_chunk, group1, group2, group_drive, lo,
                 scale1, scale2, left, right, problem.dim1, problem.dim2, k_programs,
             )
             constexprs = dict(
                 BLOCK_Q=block_q, BLOCK_K=block_k, NEED_DK1=on1 and need_dk1, NEED_DK2=on2 and need_dk2,
-                ATOMIC_DQ1=atomic1, ATOMIC_DQ2=atomic2, DQ_TMA=dq_descs is not None, **flags,
+                ATOMIC_DQ1=atomic1, ATOMIC_DQ2=atomic2, DQ_TMA=dq_descs is not None, ORDERED=ordered, **flags,
             )
             launch(_kl_bwd_kv_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps,
                    num_stages, **constexprs)

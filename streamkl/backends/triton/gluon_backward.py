@@ -182,6 +182,14 @@ DQ_TMA = True
 #: non-causal 10.91 against 10.69 (equal programs: only the L2 sharing changes).
 KEY_MAJOR_GRID = None
 
+#: With block masks or a window (LISTED), programs read their launch id from a table that puts
+#: each head's key tiles with the most query tiles first (`schedule.heaviest_first`): the key-major
+#: pass's programs differ in length as much as their key tiles' visit counts do (90 % random block
+#: sparsity: 3 to 28 query tiles, mean 13), and in launch order the last wave's long programs
+#: decide when the launch ends. backward.py's key-major pass (`_kl_bwd_kv_kernel`) reads the
+#: same table. False: launch order.
+HEAVY_FIRST = True
+
 
 def key_major(problem: Problem, programs: int) -> bool:
     """Whether a launch of `programs` programs orders them key tile first (`KEY_MAJOR_GRID`)."""
@@ -559,6 +567,7 @@ if GLUON_IMPORT_ERROR is None:
         G_SCALE,  # NORM_G (float16): what GRAD was divided by
         CU_Q, CU_K,  # VARLEN: cu_seqlens (int32); else unused
         Q_COUNT, Q_FULL, Q_INDEX, Q_FLAGS,  # LISTED: the key-major schedule (128 x 128 tiles); else unused
+        ORDER,  # ORDERED: the launch ids in the order to run them (`schedule.heaviest_first`); else unused
         stride_sb, stride_sh, stride_sn,  # lse [B, H, N]
         stride_gb, stride_gn, stride_gh,  # g [B, N, H]
         stride_dqb, stride_dqn, stride_dqh,  # the float32 dq2 buffer [B, N, H, D]
@@ -582,14 +591,18 @@ if GLUON_IMPORT_ERROR is None:
         KEY_MAJOR: gl.constexpr,  # programs ordered key tile first (KEY_MAJOR_GRID)
         BOTH: gl.constexpr,  # side 1's gradients too (BOTH_SIDES)
         DIAG: gl.constexpr,  # causal, dense whole tiles, no GQA: unmasked steps after the diagonal's (DIAG_LOOPS)
+        ORDERED: gl.constexpr,  # LISTED: this program's id read from ORDER (each head's busiest key tiles first)
     ):
+        pid = gl.program_id(0)
+        if ORDERED:
+            pid = gl.load(ORDER + pid)
         if KEY_MAJOR:
             n_bh = gl.num_programs(0) // k_programs
-            pid_k = gl.program_id(0) // n_bh
-            pid_bh = gl.program_id(0) - pid_k * n_bh
+            pid_k = pid // n_bh
+            pid_bh = pid - pid_k * n_bh
         else:
-            pid_bh = gl.program_id(0) // k_programs
-            pid_k = gl.program_id(0) - pid_bh * k_programs
+            pid_bh = pid // k_programs
+            pid_k = pid - pid_bh * k_programs
         if NORM_G:  # the products are linear in g: the factor comes back with the softmax scale
             out_scale2 = out_scale2 * gl.load(G_SCALE)
             out_scale1 = out_scale1 * gl.load(G_SCALE)
@@ -751,7 +764,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         window_bounds,
     )
     from streamkl.backends.triton.gluon_forward import listed
-    from streamkl.sparse.schedule import get_key_schedule
+    from streamkl.sparse.schedule import get_key_schedule, heaviest_first
 
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
@@ -768,12 +781,17 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         window = window_bounds(problem)
     else:
         lists, list_strides, window = (lse1,) * 4, (0,) * 6, (-1, -1)
+    programs = k_programs * problem.batch * (heads // group2)
+    grid_key_major = key_major(problem, programs)
+    ordered = is_listed and bool(HEAVY_FIRST) and not grid_key_major  # (the table holds head-major ids)
+    order = heaviest_first(keys.q_count, problem.batch, head_lo, heads // group2, group2, k_programs) if ordered \
+        else lse1
     descs = [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
     use_tma = bool(DQ_TMA)
     args = (
         *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2) if use_tma else descs[0],
         *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
-        lse1 if g_scale is None else g_scale, cu_q, cu_k, *lists,
+        lse1 if g_scale is None else g_scale, cu_q, cu_k, *lists, order,
         *stat_strides(lse1, varlen), *row_strides(grad_rows, varlen), *row_strides(dq2, varlen),
         *row_strides(dk2, varlen),
         *list_strides, *window,
@@ -789,8 +807,8 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         and group2 == 1
     if both is not None:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
-    programs = k_programs * problem.batch * (heads // group2)
-    constexprs["KEY_MAJOR"] = key_major(problem, programs)
+    constexprs["KEY_MAJOR"] = grid_key_major
+    constexprs["ORDERED"] = ordered
     return (programs,), args, constexprs
 
 
@@ -881,8 +899,10 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
     dk1 = torch.empty_like(k1) if both else None  # (BOTH: dense sequences only, every key written)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
-    # g head-major (a row stride of 1, as lse's): each thread's rows are one base's immediate offsets
-    g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
+    # g head-major (a row stride of 1, as lse's): each thread's rows are one base's immediate offsets;
+    # a reduced loss's g (one value expanded over the rows, strides 0) is read as it is
+    if any(g.stride()):
+        g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
     chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
     shape = (*q2.shape[:-2], per_chunk, q2.shape[-1])
@@ -928,7 +948,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                     dq_desc=dq_descriptor(torch.empty(2, BLOCK_N, 4, dim)) if tma_dq else descs[0],
                     DK1=t, EXPECT=stats, dq1_desc=dq_descriptor(torch.empty(2, BLOCK_N, 4, dim)),
                     G_SCALE=stats, CU_Q=cu, CU_K=cu)
-    examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8))
+    examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8), ORDER=cu)
     examples.update(**dict.fromkeys(names, 1024), **dict.fromkeys(list_names, 7))
     examples.update(stride_sn=1, stride_gn=1)  # as launched (Triton specializes 1s)
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
@@ -937,6 +957,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                       DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
+                      ORDERED=listed and bool(HEAVY_FIRST) and not KEY_MAJOR_GRID,
                       DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
     if both:
         constexprs["STAGES"] = 2
