@@ -39,6 +39,7 @@ CASES = {  # name: (D, causal, sparsity, grads)
     "fwd 90%": (128, False, 0.9, ()),
     "student 90%": (128, False, 0.9, (2, 3)),
     "all 90%": (128, False, 0.9, (0, 1, 2, 3)),
+    "all D=128": (128, False, None, (0, 1, 2, 3)),
     "all D=128 causal": (128, True, None, (0, 1, 2, 3)),
     "student D=128": (128, False, None, (2, 3)),
     "student D=128 causal": (128, True, None, (2, 3)),

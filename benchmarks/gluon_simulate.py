@@ -270,8 +270,8 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     ref_dq2, ref_dk2 = torch.autograd.grad((ref * upstream).sum(), leaves[2:])
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
     vec2, gluon_backward.DQ_VEC2 = gluon_backward.DQ_VEC2, False  # (inline PTX: not simulated)
-    start = time.time()
-    with _wrapper_launches(kernel, chunks):  # the host wrapper as the backend calls it
+    start = time.time()  # (the host wrapper as the backend calls it)
+    with _wrapper_launches(kernel, chunks, _traced_flush(triton_viz, client)):
         _, _, dq2, dk2 = gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1.float().contiguous(),
                                                     lse2.float().contiguous(), upstream.float(), schedule)
     gluon_backward.DQ_VEC2 = vec2
@@ -289,15 +289,27 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     return max(errors)
 
 
+def _traced_flush(triton_viz, client):
+    """backward._flush_dq_kernel (plain Triton: the Gluon backward's accumulators into dq) traced."""
+    from streamkl.backends.triton import backward
+
+    return triton_viz.trace(client())(backward._flush_dq_kernel)
+
+
 @contextlib.contextmanager
-def _wrapper_launches(kernel, chunks):
+def _wrapper_launches(kernel, chunks, flush):
     """Within the block, gluon_backward's host wrappers launch the simulator-traced `kernel` (their
-    `common.direct_launch` replaced) over `chunks` head chunks (`backward.CHUNKS_OVERRIDE`)."""
+    `common.direct_launch` replaced) over `chunks` head chunks (`backward.CHUNKS_OVERRIDE`), and
+    `flush` (the traced `backward._flush_dq_kernel`) for the accumulators."""
     from streamkl.backends.triton import backward, common
 
     saved = common.direct_launch, backward.CHUNKS_OVERRIDE
-    common.direct_launch = lambda _kernel, grid, args, constexprs, num_warps: kernel[grid](
-        *args, **constexprs, num_warps=num_warps)
+
+    def launch(target, grid, args, constexprs, num_warps):
+        return (flush if target is backward._flush_dq_kernel else kernel)[grid](*args, **constexprs,
+                                                                               num_warps=num_warps)
+
+    common.direct_launch = launch
     backward.CHUNKS_OVERRIDE = chunks
     try:
         yield
@@ -347,7 +359,7 @@ def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torc
     lse1, lse2, expect = (t.float().contiguous() for t in (lse1, lse2, expect))
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
     start = time.time()
-    with _wrapper_launches(kernel, chunks):
+    with _wrapper_launches(kernel, chunks, _traced_flush(triton_viz, client)):
         got = gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, upstream.float(),
                                               schedule)
     errors = [((a.double() - e).norm() / e.norm()).item() for a, e in zip(got, refs)]

@@ -653,8 +653,9 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     assert not both(case(causal=True, **mha), (False, True, True, True))
     assert not both(case(causal=True, **mha), student)
     assert not both(case(causal=True, dims=(64, 64), **mha))
-    # block masks / a window (BOTH_LISTED, off by default): side 2 masked as side 1 (the same
-    # pattern) or not at all
+    # block masks / a window (BOTH_LISTED, on by default since the thirteenth session): side 2
+    # masked as side 1 (the same pattern) or not at all
+    monkeypatch.setattr(gluon_backward, "BOTH_LISTED", False)
     assert not both(case(mask1=mask, mask2=mask, **mha))
     monkeypatch.setattr(gluon_backward, "BOTH_LISTED", True)
     assert both(case(mask1=mask, mask2=mask, **mha))
@@ -826,6 +827,40 @@ def test_gluon_both_sides_backward_matches_reference(monkeypatch):
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
     check_against_reference(x, "triton", causal=True, deterministic=True)
     assert len(calls) == 4
+
+
+@gpu
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gluon_backward_of_reduced_losses(monkeypatch, reduction):
+    """A reduced loss's upstream gradient is one value expanded over the rows (strides 0), which the
+    kernel with BOTH reads as it is (`gluon_backward.G_AS_IS`, thirteenth session) and the student
+    kernel copies head-major: all four gradients (dense, causal, one block mask on both sides with
+    HEAVY_FIRST's program table) and the student's, bfloat16, against the float64 reference's."""
+    from helpers import TOLERANCE
+
+    from streamkl import BlockMask
+
+    calls = _count_both_sides_calls(monkeypatch, BOTH_LISTED=True, G_AS_IS=True, HEAVY_FIRST=True)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    pattern = torch.rand(1, 2, 3, 3, device=DEVICE, generator=g) < 0.5
+    pattern[..., 0] = True  # every query block sees keys: no empty rows
+    mask = BlockMask.from_dense(pattern, 128)
+    every, student = (True, True, True, True), (False, False, True, True)
+    cases = [(dict(), every), (dict(causal=True), every), (dict(mask1=mask, mask2=mask), every),
+             (dict(), student), (dict(mask1=mask, mask2=mask), student)]
+    tol = TOLERANCE[torch.bfloat16][1]
+    for kwargs, needs in cases:
+        x = make_inputs((2, 384), (2, 384), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, needs)
+        wanted = [t for t in x if t.requires_grad]
+        grads = torch.autograd.grad(streamkl.kl(*x, reduction=reduction, backend="triton", **kwargs), wanted)
+        leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in x]
+        rows, lse1, _ = reference_kl(*leaves, **kwargs)
+        assert rows.isfinite().all() and lse1.isfinite().all()
+        ref = rows.sum() if reduction == "sum" else rows.mean()
+        refs = torch.autograd.grad(ref, [t for t in leaves if t.requires_grad])
+        for got, expected in zip(grads, refs):
+            assert rel_l2(got, expected) <= tol, (kwargs, needs, rel_l2(got, expected))
+    assert len(calls) == 3
 
 
 @gpu
@@ -1222,3 +1257,34 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     assert len(calls) == 1
     for a, b in zip(got, want):
         assert rel_l2(a.float(), b.float()) < 1e-2
+
+
+@pytest.mark.parametrize("two", [False, True])
+def test_flush_dq_writes_heads_and_zeroes_behind(two):
+    """`backward.flush_dq` (the Gluon backward's float32 dq accumulators into the 16-bit gradients,
+    one launch a head chunk; under the interpreter without a GPU): the chunk's heads of each output
+    take the accumulator's values (rounded), the other heads stay as they were, the accumulators
+    are zeroed with `zero`; non-contiguous tensors are refused (False, nothing written)."""
+    from streamkl.backends.triton.backward import flush_dq
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    count = 2 if two else 1
+    accums = [torch.randn(2, 33, 3, 16, generator=g).to(device) for _ in range(count)]
+    outs = [torch.randn(2, 33, 6, 16, generator=g).to(device, torch.bfloat16) for _ in range(count)]
+    before = [o.clone() for o in outs]
+    values = [a.clone() for a in accums]
+    assert flush_dq(accums, outs, 3, zero=True)
+    def rounded(got, value):  # exactly torch's rounding on a GPU; the interpreter truncates (1 ulp)
+        if device == "cuda":
+            return torch.equal(got, value.to(torch.bfloat16))
+        return bool(((got.float() - value).abs() <= value.abs() * 2.0**-7).all())
+
+    for accum, out, old, value in zip(accums, outs, before, values):
+        assert rounded(out[..., 3:, :], value)
+        assert torch.equal(out[..., :3, :], old[..., :3, :])
+        assert not accum.any()
+    assert flush_dq([values[0]], [outs[0]], 0, zero=False)
+    assert rounded(outs[0][..., :3, :], values[0]) and values[0].any()
+    assert not flush_dq([values[0].transpose(0, 1)], [outs[0].transpose(0, 1)], 0, zero=True)
+    assert values[0].any()

@@ -866,9 +866,18 @@ def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -
 #: bf16, the same 90 % mask both sides, all four gradients, torch.profiler) its kernel took 2.14 ms
 #: against backward.py's two (dq 1.01 + dk 1.28 ms), but its float32 dq accumulators' zero fill and
 #: casts 0.24 ms more, which backward.py's query-major dq pass writes directly: 2.94 against 2.84 ms
-#: forward + backward back to back (benchmarks/results/ab_both_listed_h200.json). Tested (GPU, the
-#: simulator) with it switched on.
-BOTH_LISTED = False
+#: forward + backward back to back (benchmarks/results/ab_both_listed_h200.json), so it was off.
+#: With HEAVY_FIRST and G_AS_IS (thirteenth session) it wins: 2.785 against 2.822 ms back to back,
+#: 3.234 against 3.312 synchronized (results/ab_both_listed_heavy.jsonl), hence on.
+BOTH_LISTED = True
+
+#: With BOTH, a reduced loss's upstream gradient (one value expanded over the rows: strides 0) read
+#: as it is instead of copied head-major (one launch fewer). Measured on the H200 (thirteenth
+#: session, N=16K, H=16, bf16, calls interleaved in one process, back to back): all four gradients
+#: 11.80 against 12.35 ms causal, 20.66 against 21.22 non-causal; the student kernel the other way
+#: (15.30 against 14.99 ms, 7.64 against 7.58 causal: its code without the unit row stride is
+#: slower), so the student's g stays head-major (results/ab_g_as_is.jsonl).
+G_AS_IS = True
 
 
 def kl_backward_both(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule=None):
@@ -891,7 +900,7 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, expect):
     """`kl_backward`'s launches, and with `expect` (BOTH) side 1's gradients too: (dq1, dk1, dq2,
     dk2), None where not computed."""
-    from streamkl.backends.triton.backward import atomic_head_chunks, rescaled_upstream
+    from streamkl.backends.triton.backward import atomic_head_chunks, flush_dq, rescaled_upstream
     from streamkl.backends.triton.common import direct_launch, group_sizes
 
     both = expect is not None
@@ -900,32 +909,34 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     dk1 = torch.empty_like(k1) if both else None  # (BOTH: dense sequences only, every key written)
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
     # g head-major (a row stride of 1, as lse's): each thread's rows are one base's immediate offsets;
-    # a reduced loss's g (one value expanded over the rows, strides 0) is read as it is
-    if any(g.stride()):
+    # with BOTH a reduced loss's g (one value expanded over the rows, strides 0) is read as it is (G_AS_IS)
+    if not (both and G_AS_IS and not any(g.stride())):
         g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
     chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
     shape = (*q2.shape[:-2], per_chunk, q2.shape[-1])
-    accum2 = torch.zeros(shape, dtype=torch.float32, device=q2.device)
-    accum1 = torch.zeros(shape, dtype=torch.float32, device=q2.device) if both else None
-    dq2 = torch.empty_like(q2) if chunks > 1 else None
-    dq1 = torch.empty_like(q1) if both and chunks > 1 else None
+    # the float32 accumulators (BOTH: dq2's and dq1's in one allocation, one zero fill); between
+    # chunks and at the end `flush_dq` writes them into the 16-bit gradients (zeroing them behind
+    # for the next chunk) in one launch
+    accums = torch.zeros((2 if both else 1, *shape), dtype=torch.float32, device=q2.device).unbind(0)
+    accum2 = accums[0]
+    accum1 = accums[1] if both else None
+    flushed = chunks > 1 or both
+    dq2 = torch.empty_like(q2) if flushed else None
+    dq1 = torch.empty_like(q1) if both else None
+    outs = (dq2, dq1) if both else (dq2,)
     for chunk in range(chunks):
         lo = chunk * per_chunk
-        if chunk:
-            accum2.zero_()
-            if both:
-                accum1.zero_()
         grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, schedule, g_scale,
                                              lo, per_chunk, both=(dk1, expect, accum1) if both else None)
         direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
-        if chunks > 1:
-            dq2[..., lo:lo + per_chunk, :].copy_(accum2)
-            if both:
-                dq1[..., lo:lo + per_chunk, :].copy_(accum1)
-    if chunks == 1:
+        if flushed and not flush_dq(accums, outs, lo, zero=chunk + 1 < chunks):
+            for out, accum in zip(outs, accums):  # (not contiguous: as flush_dq would)
+                out[..., lo:lo + per_chunk, :].copy_(accum)
+                if chunk + 1 < chunks:
+                    accum.zero_()
+    if not flushed:
         dq2 = accum2.to(q2.dtype)
-        dq1 = accum1.to(q1.dtype) if both else None
     return dq1, dk1, dq2, dk2
 
 
