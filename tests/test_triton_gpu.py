@@ -830,16 +830,19 @@ def test_gluon_both_sides_backward_matches_reference(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_gluon_backward_of_reduced_losses(monkeypatch, reduction):
+@pytest.mark.parametrize("reduction,chunks", [("mean", None), ("sum", None), ("mean", 2)])
+def test_gluon_backward_of_reduced_losses(monkeypatch, reduction, chunks):
     """A reduced loss's upstream gradient is one value expanded over the rows (strides 0), which the
     kernel with BOTH reads as it is (`gluon_backward.G_AS_IS`, thirteenth session) and the student
     kernel copies head-major: all four gradients (dense, causal, one block mask on both sides with
-    HEAVY_FIRST's program table) and the student's, bfloat16, against the float64 reference's."""
+    HEAVY_FIRST's program table) and the student's, bfloat16, against the float64 reference's; also
+    in two head chunks (`flush_dq` zeroing the accumulators between them; `_next_chunk`)."""
     from helpers import TOLERANCE
 
     from streamkl import BlockMask
+    from streamkl.backends.triton import backward
 
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", chunks)
     calls = _count_both_sides_calls(monkeypatch, BOTH_LISTED=True, G_AS_IS=True, HEAVY_FIRST=True)
     g = torch.Generator(device=DEVICE).manual_seed(7)
     pattern = torch.rand(1, 2, 3, 3, device=DEVICE, generator=g) < 0.5
@@ -1288,3 +1291,37 @@ def test_flush_dq_writes_heads_and_zeroes_behind(two):
     assert rounded(outs[0][..., :3, :], values[0]) and values[0].any()
     assert not flush_dq([values[0].transpose(0, 1)], [outs[0].transpose(0, 1)], 0, zero=True)
     assert values[0].any()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gluon_backward_next_chunk_arguments_match_launch_args(masked):
+    """The Gluon backward's second head chunk reuses the first one's launch arguments with its first
+    head and program table replaced (`gluon_backward._next_chunk`): they equal `launch_args`'s own
+    for that chunk (host code only; no launch)."""
+    from streamkl.backends.triton import gluon_backward
+    from streamkl.problem import build_problem
+    from streamkl.sparse.schedule import get_schedule
+
+    g = torch.Generator().manual_seed(13)
+    x = [torch.randn(2, 256, 4, 128, generator=g).to(torch.bfloat16) for _ in range(4)]
+    kwargs = {}
+    if masked:
+        pattern = torch.rand(1, 4, 2, 2, generator=g) < 0.6
+        pattern[..., 0] = True
+        kwargs["mask1"] = kwargs["mask2"] = BlockMask.from_dense(pattern, 128)
+    problem = build_problem(*x, **kwargs)
+    schedule = get_schedule(problem, 128, 128)
+    lse, rows = torch.zeros(2, 4, 256), torch.zeros(2, 256, 4)
+    accum, dk = torch.zeros(2, 256, 2, 128), torch.zeros_like(x[3])
+    _, first, constexprs = gluon_backward.launch_args(problem, *x, lse, lse, rows, accum, dk, schedule, None, 0, 2)
+    _, second, expected = gluon_backward.launch_args(problem, *x, lse, lse, rows, accum, dk, schedule, None, 2, 2)
+    assert constexprs == expected and constexprs["ORDERED"] == masked
+    rewritten = gluon_backward._next_chunk(first, constexprs, problem, schedule, 2, 2)
+    assert len(rewritten) == len(second)
+    for got, want in zip(rewritten, second):
+        if isinstance(got, torch.Tensor):
+            assert got is want or torch.equal(got, want)
+        elif hasattr(got, "base"):  # a TMA descriptor
+            assert (got.base.data_ptr(), got.shape, got.strides) == (want.base.data_ptr(), want.shape, want.strides)
+        else:
+            assert got == want

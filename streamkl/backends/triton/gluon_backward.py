@@ -897,6 +897,22 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     return _backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, None)
 
 
+def _next_chunk(args: tuple, constexprs: dict, problem: Problem, schedule, head_lo: int, heads: int) -> tuple:
+    """`launch_args`'s arguments of one head chunk made those of the chunk from `head_lo`: its first
+    head and (ORDERED) its program table."""
+    from streamkl.backends.triton.common import group_sizes
+    from streamkl.sparse.schedule import get_key_schedule, heaviest_first
+
+    names = _kl_bwd_gluon_kernel.arg_names
+    args = list(args)
+    args[names.index("head_lo")] = head_lo
+    if constexprs["ORDERED"]:
+        group2 = group_sizes(problem)[1]
+        args[names.index("ORDER")] = heaviest_first(get_key_schedule(schedule).q_count, problem.batch, head_lo,
+                                                    heads // group2, group2, args[names.index("k_programs")])
+    return tuple(args)
+
+
 def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, expect):
     """`kl_backward`'s launches, and with `expect` (BOTH) side 1's gradients too: (dq1, dk1, dq2,
     dk2), None where not computed."""
@@ -927,8 +943,11 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     outs = (dq2, dq1) if both else (dq2,)
     for chunk in range(chunks):
         lo = chunk * per_chunk
-        grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, schedule, g_scale,
-                                             lo, per_chunk, both=(dk1, expect, accum1) if both else None)
+        if chunk == 0:
+            grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, schedule,
+                                                 g_scale, lo, per_chunk, both=(dk1, expect, accum1) if both else None)
+        else:  # the same tensors (the accumulators flushed and zeroed): only the chunk's first head moves
+            args = _next_chunk(args, constexprs, problem, schedule, lo, per_chunk)
         direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
         if flushed and not flush_dq(accums, outs, lo, zero=chunk + 1 < chunks):
             for out, accum in zip(outs, accums):  # (not contiguous: as flush_dq would)
