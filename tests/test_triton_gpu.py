@@ -1263,11 +1263,11 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
 
 
 @pytest.mark.parametrize("two", [False, True])
-def test_flush_dq_writes_heads_and_zeroes_behind(two):
+def test_flush_dq_writes_heads(two):
     """`backward.flush_dq` (the Gluon backward's float32 dq accumulators into the 16-bit gradients,
     one launch a head chunk; under the interpreter without a GPU): the chunk's heads of each output
     take the accumulator's values (rounded), the other heads stay as they were, the accumulators
-    are zeroed with `zero`; non-contiguous tensors are refused (False, nothing written)."""
+    are left alone; non-contiguous tensors are refused (False, nothing written)."""
     from streamkl.backends.triton.backward import flush_dq
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1277,20 +1277,20 @@ def test_flush_dq_writes_heads_and_zeroes_behind(two):
     outs = [torch.randn(2, 33, 6, 16, generator=g).to(device, torch.bfloat16) for _ in range(count)]
     before = [o.clone() for o in outs]
     values = [a.clone() for a in accums]
-    assert flush_dq(accums, outs, 3, zero=True)
+
     def rounded(got, value):  # exactly torch's rounding on a GPU; the interpreter truncates (1 ulp)
         if device == "cuda":
             return torch.equal(got, value.to(torch.bfloat16))
         return bool(((got.float() - value).abs() <= value.abs() * 2.0**-7).all())
 
+    assert flush_dq(accums, outs, 3)
     for accum, out, old, value in zip(accums, outs, before, values):
         assert rounded(out[..., 3:, :], value)
         assert torch.equal(out[..., :3, :], old[..., :3, :])
-        assert not accum.any()
-    assert flush_dq([values[0]], [outs[0]], 0, zero=False)
-    assert rounded(outs[0][..., :3, :], values[0]) and values[0].any()
-    assert not flush_dq([values[0].transpose(0, 1)], [outs[0].transpose(0, 1)], 0, zero=True)
-    assert values[0].any()
+        assert torch.equal(accum, value)
+    assert flush_dq(accums[:1], outs[:1], 0)
+    assert rounded(outs[0][..., :3, :], values[0])
+    assert not flush_dq([accums[0].transpose(0, 1)], [torch.zeros_like(outs[0]).transpose(0, 1)], 0)
 
 
 @pytest.mark.parametrize("masked", [False, True])

@@ -931,10 +931,10 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
     shape = (*q2.shape[:-2], per_chunk, q2.shape[-1])
-    # the float32 accumulators (BOTH: dq2's and dq1's in one allocation, one zero fill); between
-    # chunks and at the end `flush_dq` writes them into the 16-bit gradients (zeroing them behind
-    # for the next chunk) in one launch
-    accums = torch.zeros((2 if both else 1, *shape), dtype=torch.float32, device=q2.device).unbind(0)
+    # the float32 accumulators (BOTH: dq2's and dq1's in one allocation, one zero fill); after each
+    # chunk `flush_dq` writes them into the 16-bit gradients in one launch
+    pair = torch.zeros((2 if both else 1, *shape), dtype=torch.float32, device=q2.device)
+    accums = pair.unbind(0)
     accum2 = accums[0]
     accum1 = accums[1] if both else None
     flushed = chunks > 1 or both
@@ -949,11 +949,11 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
         else:  # the same tensors (the accumulators flushed and zeroed): only the chunk's first head moves
             args = _next_chunk(args, constexprs, problem, schedule, lo, per_chunk)
         direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
-        if flushed and not flush_dq(accums, outs, lo, zero=chunk + 1 < chunks):
+        if flushed and not flush_dq(accums, outs, lo):
             for out, accum in zip(outs, accums):  # (not contiguous: as flush_dq would)
                 out[..., lo:lo + per_chunk, :].copy_(accum)
-                if chunk + 1 < chunks:
-                    accum.zero_()
+        if chunk + 1 < chunks:
+            pair.zero_()
     if not flushed:
         dq2 = accum2.to(q2.dtype)
     return dq1, dk1, dq2, dk2
