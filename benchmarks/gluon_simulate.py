@@ -335,8 +335,17 @@ def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torc
 
     g = torch.Generator().manual_seed(2)
     dim = 128
-    q1, k1, q2, k2 = (torch.randn(batch, n, heads, dim, generator=g).to(dtype) for n in (n_q, n_k, n_q, n_k))
     kwargs = dict(causal=causal)
+    if isinstance(batch, list):  # varlen (thirteenth session): (len_q, len_k) per sequence, whole tiles,
+        # then rows / keys past cu_seqlens[-1]
+        lens_q, lens_k = zip(*batch)
+        cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+        kwargs.update(cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+        shapes = [(int(cu[-1]) + 128,) for cu in (cu_q, cu_k, cu_q, cu_k)]
+    else:
+        shapes = [(batch, n) for n in (n_q, n_k, n_q, n_k)]
+    q1, k1, q2, k2 = (torch.randn(*shape, heads, dim, generator=g).to(dtype) for shape in shapes)
     if mask is not None:
         density, sides = mask
         blocks = torch.rand(1, heads, -(-n_q // 128), -(-n_k // 128), generator=g) < density
@@ -348,7 +357,7 @@ def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torc
     leaves = [t.double().requires_grad_(True) for t in (q1, k1, q2, k2)]
     ref, ref_lse1, _ = reference_kl(*leaves, **kwargs)
     upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    rows = ref_lse1.isfinite().transpose(1, 2)  # [B, N, H] as the rows
+    rows = ref_lse1.isfinite().transpose(-1, -2)  # [B, N, H] (varlen [T, H]) as the rows
     upstream = torch.where(rows, upstream, 0.0)
     refs = torch.autograd.grad((ref * upstream).sum(), leaves)
     refs = [r.nan_to_num(0.0) for r in refs]
@@ -452,7 +461,10 @@ def main():
                      # with causality, a window alone
                      (1, 384, 384, 2, False, torch.float16, 1, (0.5, 2)),
                      (1, 256, 384, 2, True, torch.float16, 1, (0.6, 1)),
-                     (1, 256, 256, 1, False, torch.float16, 1, None, (100, 30))))
+                     (1, 256, 256, 1, False, torch.float16, 1, None, (100, 30)),
+                     # varlen, whole tiles (thirteenth session): an empty sequence, Nk > Nq, in two chunks
+                     ([(128, 256), (0, 0), (256, 256)], 0, 0, 2, True, torch.float16, 2),
+                     ([(256, 128), (192, 384)], 0, 0, 1, False)))
         print(f"worst relative error {worst:.1e}")
         sys.exit(0 if worst < 2e-2 else 1)
     worst = max(simulate_backward(triton_viz, client, *case) for case in backward_cases)

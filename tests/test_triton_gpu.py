@@ -689,6 +689,15 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
         return dataclasses.replace(built, device=torch.device("cuda", 0)), xp
 
     assert backward_default_and_forced(*packed([(128, 256), (0, 0), (64, 128)])) == (True, True)
+
+    def packed_mha(lens, **kwargs):  # packed() without GQA: all four gradients by BOTH where whole tiles
+        problem, xp = packed(lens, **kwargs)
+        xm = [t if i % 2 == 0 else t.repeat_interleave(2, dim=-2) for i, t in enumerate(xp)]
+        return dataclasses.replace(problem, heads_k1=4, heads_k2=4), xm
+
+    assert both(packed_mha([(128, 256), (0, 0), (256, 256)]))  # (thirteenth session)
+    assert both(packed_mha([(128, 256), (64, 128)]))  # (64-row steps: whole, as for dense sequences)
+    assert not both(packed_mha([(128, 200)]))  # a tail
     assert backward_default_and_forced(*packed([(128, 256), (64, 128)], causal=False)) == (True, True)
     # partial tiles (TAIL, last tiles shifted back): default since the eighth session (measured)
     assert backward_default_and_forced(*packed([(128, 256), (100, 128)])) == (True, True)
@@ -863,6 +872,30 @@ def test_gluon_backward_of_reduced_losses(monkeypatch, reduction, chunks):
         refs = torch.autograd.grad(ref, [t for t in leaves if t.requires_grad])
         for got, expected in zip(grads, refs):
             assert rel_l2(got, expected) <= tol, (kwargs, needs, rel_l2(got, expected))
+    assert len(calls) == 3
+
+
+@gpu
+def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
+    """BOTH over packed sequences of whole tiles (thirteenth session): an empty sequence, Nk > Nq, a
+    sequence of three 64-row steps, rows and keys past cu_seqlens[-1] (their gradients 0), causal or
+    not, in one or two head chunks, against the float64 reference; lengths that are not whole tiles
+    take backward.py."""
+    from streamkl.backends.triton import backward
+
+    calls = _count_both_sides_calls(monkeypatch, BOTH_SIDES=True)
+    lens_q, lens_k = [256, 0, 192, 384], [384, 0, 256, 512]
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+                  for lens in (lens_q, lens_k))
+    for causal, dtype, chunks in ((True, torch.bfloat16, None), (False, torch.float16, 2), (True, torch.bfloat16, 2)):
+        monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", chunks)
+        x = make_inputs((int(cu_q[-1]) + 64,), (int(cu_k[-1]) + 128,), 4, (4, 4), (128, 128), dtype, DEVICE,
+                        (True, True, True, True))
+        check_against_reference(x, "triton", causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    assert len(calls) == 3
+    cu = torch.tensor([0, 200, 456], dtype=torch.int32, device=DEVICE)
+    x = make_inputs((456,), (456,), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
+    check_against_reference(x, "triton", causal=True, cu_seqlens=cu)
     assert len(calls) == 3
 
 

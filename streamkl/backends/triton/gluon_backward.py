@@ -823,7 +823,7 @@ BOTH_SIDES = True
 
 def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
     """Whether all four gradients come from the Gluon kernel with BOTH: 16-bit inputs, D=128 on
-    both sides, no GQA, dense sequences of whole tiles (causal or not), or with block masks / a
+    both sides, no GQA, dense or packed sequences of whole tiles (causal or not), or with block masks / a
     window (LISTED: whole 128-row tiles, mask blocks of at least 128, side 2 masked as side 1 or
     not at all); sm_90; not deterministic; STREAMKL_GLUON not 0; dq by TMA reductions (`DQ_TMA`)."""
     if not BOTH_SIDES or GLUON_IMPORT_ERROR is not None or problem.device.type != "cuda" or deterministic:
@@ -838,8 +838,8 @@ def applies_both(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -
         return False
     if problem.heads_k2 != problem.heads:
         return False
-    if problem.is_varlen:
-        return False
+    if problem.is_varlen and (listed(problem) or tile_fit(problem) != "whole"):
+        return False  # (packed sequences: whole tiles, no masks or window; thirteenth session)
     if listed(problem):  # block masks / a window (BOTH_LISTED), as the student's `applies` takes them
         if not BOTH_LISTED or problem.seqlen_k % BLOCK_N or problem.seqlen_q % 128 or problem.seqlen_q == 0:
             return False
@@ -922,7 +922,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     both = expect is not None
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
     dk2 = torch.zeros_like(k2) if problem.is_varlen else torch.empty_like(k2)
-    dk1 = torch.empty_like(k1) if both else None  # (BOTH: dense sequences only, every key written)
+    dk1 = (torch.zeros_like(k1) if problem.is_varlen else torch.empty_like(k1)) if both else None
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
     # g head-major (a row stride of 1, as lse's): each thread's rows are one base's immediate offsets;
     # with BOTH a reduced loss's g (one value expanded over the rows, strides 0) is read as it is (G_AS_IS)
