@@ -695,9 +695,12 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
         xm = [t if i % 2 == 0 else t.repeat_interleave(2, dim=-2) for i, t in enumerate(xp)]
         return dataclasses.replace(problem, heads_k1=4, heads_k2=4), xm
 
-    assert both(packed_mha([(128, 256), (0, 0), (256, 256)]))  # (thirteenth session)
+    assert not both(packed_mha([(128, 256), (0, 0), (256, 256)]))  # BOTH_VARLEN off by default
+    monkeypatch.setattr(gluon_backward, "BOTH_VARLEN", True)  # (thirteenth session)
+    assert both(packed_mha([(128, 256), (0, 0), (256, 256)]))
     assert both(packed_mha([(128, 256), (64, 128)]))  # (64-row steps: whole, as for dense sequences)
     assert not both(packed_mha([(128, 200)]))  # a tail
+    monkeypatch.setattr(gluon_backward, "BOTH_VARLEN", False)
     assert backward_default_and_forced(*packed([(128, 256), (64, 128)], causal=False)) == (True, True)
     # partial tiles (TAIL, last tiles shifted back): default since the eighth session (measured)
     assert backward_default_and_forced(*packed([(128, 256), (100, 128)])) == (True, True)
@@ -883,7 +886,7 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
     take backward.py."""
     from streamkl.backends.triton import backward
 
-    calls = _count_both_sides_calls(monkeypatch, BOTH_SIDES=True)
+    calls = _count_both_sides_calls(monkeypatch, BOTH_SIDES=True, BOTH_VARLEN=True)
     lens_q, lens_k = [256, 0, 192, 384], [384, 0, 256, 512]
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
                   for lens in (lens_q, lens_k))
