@@ -33,6 +33,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LAUNCHES: list = []  # perf_counter() of each stubbed compiled-kernel launch (--launches)
 
 
 def emulated_package() -> Path:
@@ -67,11 +68,11 @@ def stub_gpu():
     torch.cuda.current_stream = lambda *args: types.SimpleNamespace(cuda_stream=0)
     torch.cuda.is_current_stream_capturing = lambda: False
 
-    class Compiled:  # what direct_launch finds for every key: a launcher doing nothing
+    class Compiled:  # what direct_launch finds for every key: a launcher doing nothing (its time noted)
         packed_metadata = function = None
 
         def run(self, *args):
-            pass
+            LAUNCHES.append(time.perf_counter())
 
     class Everything(dict):
         def get(self, key, default=None):
@@ -90,6 +91,7 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="cProfile the calls instead, by own time")
+    parser.add_argument("--launches", action="store_true", help="when each launch comes in the call (us)")
     parser.add_argument("--callees", default=None, help="with --profile: also what functions matching this call")
     args = parser.parse_args()
     sys.path.insert(0, str(emulated_package()))
@@ -137,6 +139,16 @@ def main():
         stats.print_stats(40)
         if args.callees:
             stats.print_callees(args.callees)
+        return
+    if args.launches:  # when each compiled launch came, us after the call's start (medians)
+        times = []
+        for _ in range(args.repeats):
+            LAUNCHES.clear()
+            start = time.perf_counter()
+            run()
+            times.append([round((t - start) * 1e6, 1) for t in LAUNCHES] + [round((time.perf_counter() - start) * 1e6, 1)])
+        columns = list(zip(*[t for t in times if len(t) == len(times[0])]))
+        print("launches at (us), then the call's end:", [round(statistics.median(c), 1) for c in columns])
         return
     for _ in range(args.repeats):
         run(record=True)
