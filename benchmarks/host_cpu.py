@@ -146,7 +146,8 @@ def main():
             LAUNCHES.clear()
             start = time.perf_counter()
             run()
-            times.append([round((t - start) * 1e6, 1) for t in LAUNCHES] + [round((time.perf_counter() - start) * 1e6, 1)])
+            end = time.perf_counter()
+            times.append([round((t - start) * 1e6, 1) for t in (*LAUNCHES, end)])
         columns = list(zip(*[t for t in times if len(t) == len(times[0])]))
         print("launches at (us), then the call's end:", [round(statistics.median(c), 1) for c in columns])
         return
