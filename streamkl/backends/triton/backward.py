@@ -618,7 +618,11 @@ def flush_dq(accums, outs, head_lo: int) -> bool:
 
     (A first version also zeroed the accumulators behind it for the next chunk: on the H200 its
     build with two accumulators left some rows' outputs 0, though the interpreter and the Gluon
-    simulator ran it right; not understood, removed: the caller zeroes them, thirteenth session.)"""
+    simulator ran it right. Its TTGIR shows why: the zero stores got another layout than the loads
+    (fp32 [1, 4] per thread on 2 x 2 warps against [1, 8] on 4 x 1), so a thread could zero an
+    element before the thread that loads it had, and Triton orders neither within a program: a
+    read-then-write of the same global addresses in one program needs one layout or a barrier.
+    Removed: the caller zeroes the accumulators, thirteenth session.)"""
     from streamkl.backends.triton.common import cdiv, direct_launch
 
     a1, o1 = accums[0], outs[0]
