@@ -43,7 +43,32 @@ CASES = {  # name: (D, causal, sparsity, grads)
     "all D=128 causal": (128, True, None, (0, 1, 2, 3)),
     "student D=128": (128, False, None, (2, 3)),
     "student D=128 causal": (128, True, None, (2, 3)),
+    "student D=64": (64, False, None, (2, 3)),
+    "student D=64 causal": (64, True, None, (2, 3)),
+    # the varlen target's pair: 16 packed causal sequences of 4096 tokens and the batched dense call
+    "varlen all": (128, True, None, (0, 1, 2, 3)),
+    "batched all": (128, True, None, (0, 1, 2, 3)),
+    "varlen student": (128, True, None, (2, 3)),
 }
+SEQS, SEQ_LEN = 16, 4096  # the varlen cases' shape (their N and heads are the call's --heads)
+
+
+def make_inputs(name, n, h, d, grads):
+    """The case's four inputs and the keyword arguments its layout adds (cu_seqlens for varlen)."""
+    import torch
+
+    extra = {}
+    if name.startswith("varlen"):
+        shape = (SEQS * SEQ_LEN, h, d)
+        from streamkl.varlen import cu_seqlens_from_lengths
+
+        extra = dict(cu_seqlens=cu_seqlens_from_lengths([SEQ_LEN] * SEQS, device="cuda"), max_seqlen=SEQ_LEN)
+    elif name.startswith("batched"):
+        shape = (SEQS, SEQ_LEN, h, d)
+    else:
+        shape = (1, n, h, d)
+    inputs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_(i in grads) for i in range(4)]
+    return inputs, extra
 
 
 def make_run(lib, inputs, kwargs, grads):
@@ -63,7 +88,6 @@ def interleaved(args):
     """Both packages in this process, each repetition timing one call of each (order alternating)."""
     import importlib
 
-    import torch
 
     sys.path.insert(0, str(HERE.parent))
     sys.path.insert(1, str(HERE))
@@ -77,9 +101,8 @@ def interleaved(args):
     rows = []
     for name in args.cases.split(","):
         d, causal, sparsity, grads = CASES[name]
-        inputs = [torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_(i in grads)
-                  for i in range(4)]
-        kwargs = {label: dict(causal=causal, backend="triton") for label in libs}
+        inputs, extra = make_inputs(name, n, h, d, grads)
+        kwargs = {label: dict(causal=causal, backend="triton", **extra) for label in libs}
         if sparsity is not None:
             pattern = block_mask(n, h, sparsity, 128, "cuda").to_dense()
             for label, lib in libs.items():  # each package's own BlockMask
@@ -120,9 +143,8 @@ def worker(args):
     timer, overlap = Timer("cuda"), Timer("cuda", overlap_host=True)
     for name in args.cases.split(","):
         d, causal, sparsity, grads = CASES[name]
-        inputs = [torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_(i in grads)
-                  for i in range(4)]
-        kwargs = dict(causal=causal, backend="triton")
+        inputs, extra = make_inputs(name, n, h, d, grads)
+        kwargs = dict(causal=causal, backend="triton", **extra)
         if sparsity is not None:
             kwargs["mask1"] = kwargs["mask2"] = block_mask(n, h, sparsity, 128, "cuda")
 

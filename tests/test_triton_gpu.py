@@ -695,9 +695,10 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
         xm = [t if i % 2 == 0 else t.repeat_interleave(2, dim=-2) for i, t in enumerate(xp)]
         return dataclasses.replace(problem, heads_k1=4, heads_k2=4), xm
 
-    assert not both(packed_mha([(128, 256), (0, 0), (256, 256)]))  # BOTH_VARLEN off by default
-    monkeypatch.setattr(gluon_backward, "BOTH_VARLEN", True)  # (thirteenth session)
-    assert both(packed_mha([(128, 256), (0, 0), (256, 256)]))
+    assert both(packed_mha([(128, 256), (0, 0), (256, 256)]))  # BOTH_VARLEN (on since the fourteenth session)
+    monkeypatch.setattr(gluon_backward, "BOTH_VARLEN", False)
+    assert not both(packed_mha([(128, 256), (0, 0), (256, 256)]))
+    monkeypatch.setattr(gluon_backward, "BOTH_VARLEN", True)
     assert both(packed_mha([(128, 256), (64, 128)]))  # (64-row steps: whole, as for dense sequences)
     assert not both(packed_mha([(128, 200)]))  # a tail
     monkeypatch.setattr(gluon_backward, "BOTH_VARLEN", False)
