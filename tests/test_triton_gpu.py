@@ -849,7 +849,7 @@ def test_gluon_backward_of_reduced_losses(monkeypatch, reduction, chunks):
     kernel with BOTH reads as it is (`gluon_backward.G_AS_IS`, thirteenth session) and the student
     kernel copies head-major: all four gradients (dense, causal, one block mask on both sides with
     HEAVY_FIRST's program table) and the student's, bfloat16, against the float64 reference's; also
-    in two head chunks (`flush_dq` zeroing the accumulators between them; `_next_chunk`)."""
+    in two head chunks (`flush_dq` writing the accumulators, zeroed between the chunks)."""
     from helpers import TOLERANCE
 
     from streamkl import BlockMask
@@ -877,6 +877,50 @@ def test_gluon_backward_of_reduced_losses(monkeypatch, reduction, chunks):
         for got, expected in zip(grads, refs):
             assert rel_l2(got, expected) <= tol, (kwargs, needs, rel_l2(got, expected))
     assert len(calls) == 3
+
+
+@gpu
+@pytest.mark.parametrize("chunks", [None, 2])
+def test_gluon_backward_kept_plans_on_the_gpu(monkeypatch, chunks):
+    """The Gluon backward's plans kept with the problem (`gluon_backward._plans`, fourteenth
+    session): calls of one problem after its first launch through the kept compiled kernels
+    (`run_compiled`, no `direct_launch` key) and match the float64 reference every time: the
+    student kernel and BOTH, dense and with a block mask, bfloat16 and float16 (g_scale), rows'
+    gradients and a mean (g expanded: other plans), in one or two head chunks."""
+    from helpers import TOLERANCE
+
+    from streamkl import BlockMask
+    from streamkl.backends.triton import backward, gluon_backward
+
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", chunks)
+    calls = _count_both_sides_calls(monkeypatch)
+    kept = []
+    launch = gluon_backward._launch
+    monkeypatch.setattr(gluon_backward, "_launch", lambda plan, args, lse1: kept.append(plan[3] is not None)
+                        or launch(plan, args, lse1))
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    pattern = torch.rand(1, 2, 3, 3, device=DEVICE, generator=g) < 0.5
+    pattern[..., 0] = True
+    mask = BlockMask.from_dense(pattern, 128)
+    every, student = (True, True, True, True), (False, False, True, True)
+    for kwargs, needs, dtype in ((dict(causal=True), every, torch.bfloat16), (dict(mask1=mask, mask2=mask), every,
+                                 torch.float16), (dict(), student, torch.float16),
+                                 (dict(mask1=mask, mask2=mask, causal=True), student, torch.bfloat16)):
+        x = make_inputs((2, 384), (2, 384), 2, (2, 2), (128, 128), dtype, DEVICE, needs)
+        wanted = [t for t in x if t.requires_grad]
+        leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in x]
+        rows, _, _ = reference_kl(*leaves, **kwargs)
+        refs = torch.autograd.grad(rows.mean(), [t for t in leaves if t.requires_grad])
+        for call in range(3):
+            kept.clear()
+            check_against_reference(x, "triton", **kwargs)  # rows' gradients: g head-major
+            assert kept and (call == 0 or all(kept)), (kwargs, call, kept)
+            kept.clear()
+            grads = torch.autograd.grad(streamkl.kl(*x, reduction="mean", backend="triton", **kwargs), wanted)
+            assert kept and (call == 0 or all(kept)), (kwargs, call, kept)
+            for got, expected in zip(grads, refs):
+                assert rel_l2(got, expected) <= TOLERANCE[dtype][1], (kwargs, needs, call, rel_l2(got, expected))
+    assert len(calls) == 2 * 2 * 3
 
 
 @gpu
@@ -1330,11 +1374,24 @@ def test_flush_dq_writes_heads(two):
     assert not flush_dq([accums[0].transpose(0, 1)], [torch.zeros_like(outs[0]).transpose(0, 1)], 0)
 
 
+def _same_args(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        if isinstance(a, torch.Tensor):
+            assert a is b, (a, b)
+        elif hasattr(a, "base"):  # a TMA descriptor
+            assert (a.base.data_ptr(), a.shape, a.strides, a.block_shape) == \
+                (b.base.data_ptr(), b.shape, b.strides, b.block_shape)
+        else:
+            assert a == b and type(a) is type(b)
+
+
 @pytest.mark.parametrize("masked", [False, True])
-def test_gluon_backward_next_chunk_arguments_match_launch_args(masked):
-    """The Gluon backward's second head chunk reuses the first one's launch arguments with its first
-    head and program table replaced (`gluon_backward._next_chunk`): they equal `launch_args`'s own
-    for that chunk (host code only; no launch)."""
+def test_gluon_backward_kept_plans_match_launch_args(masked, monkeypatch):
+    """The Gluon backward keeps each head chunk's launch plan with the problem (`_plans`): a later
+    call's arguments (its own tensors, the kept rest) equal `launch_args`'s for that call and chunk,
+    placeholders included; a new schedule, other strides of g, g_scale or a changed switch make new
+    plans (host code only; no launch)."""
     from streamkl.backends.triton import gluon_backward
     from streamkl.problem import build_problem
     from streamkl.sparse.schedule import get_schedule
@@ -1348,17 +1405,36 @@ def test_gluon_backward_next_chunk_arguments_match_launch_args(masked):
         kwargs["mask1"] = kwargs["mask2"] = BlockMask.from_dense(pattern, 128)
     problem = build_problem(*x, **kwargs)
     schedule = get_schedule(problem, 128, 128)
-    lse, rows = torch.zeros(2, 4, 256), torch.zeros(2, 256, 4)
-    accum, dk = torch.zeros(2, 256, 2, 128), torch.zeros_like(x[3])
-    _, first, constexprs = gluon_backward.launch_args(problem, *x, lse, lse, rows, accum, dk, schedule, None, 0, 2)
-    _, second, expected = gluon_backward.launch_args(problem, *x, lse, lse, rows, accum, dk, schedule, None, 2, 2)
-    assert constexprs == expected and constexprs["ORDERED"] == masked
-    rewritten = gluon_backward._next_chunk(first, constexprs, problem, schedule, 2, 2)
-    assert len(rewritten) == len(second)
-    for got, want in zip(rewritten, second):
-        if isinstance(got, torch.Tensor):
-            assert got is want or torch.equal(got, want)
-        elif hasattr(got, "base"):  # a TMA descriptor
-            assert (got.base.data_ptr(), got.shape, got.strides) == (want.base.data_ptr(), want.shape, want.strides)
-        else:
-            assert got == want
+
+    def tensors():
+        lse, rows = torch.zeros(2, 4, 256), torch.zeros(2, 4, 256).transpose(-1, -2)
+        return lse, torch.zeros_like(lse), rows, torch.zeros(2, 256, 2, 128), torch.zeros_like(x[3])
+
+    first = tensors()
+    plans = gluon_backward._plans(problem, first[0], first[2], first[3], first[4], schedule, None, False, 2)
+    assert len(plans) == 2 and all(plan[3] is None for plan in plans)
+    call = tensors()  # another call: new tensors of the same strides keep the plans
+    assert gluon_backward._plans(problem, call[0], call[2], call[3], call[4], schedule, None, False, 2) is plans
+    lse, lse2, rows, accum, dk = call
+    names = gluon_backward._kl_bwd_gluon_kernel.arg_names
+    for chunk, (grid, fixed, constexprs, _) in enumerate(plans):
+        args = gluon_backward.call_args(*x, lse, lse2, rows, accum, dk)
+        kept = (*args, *(lse if t is None else t for t in fixed))
+        want_grid, want, want_constexprs = gluon_backward.launch_args(problem, *x, lse, lse2, rows, accum, dk,
+                                                                      schedule, None, 2 * chunk, 2)
+        assert (grid, constexprs) == (want_grid, want_constexprs) and constexprs["ORDERED"] == masked
+        _same_args(kept, want)
+        assert len(kept) + len(constexprs) == len(names)
+        assert kept[names.index("head_lo")] == 2 * chunk
+        # placeholders, the call's lse: cu_seqlens (dense), and unmasked the lists and the order table
+        assert sum(t is lse for t in kept[len(args):]) == (2 if masked else 7)
+    # what makes new plans
+    expanded = torch.ones(()).expand(2, 256, 4)
+    assert gluon_backward._plans(problem, lse, expanded, accum, dk, schedule, None, False, 2) is not plans
+    plans = gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2)
+    assert gluon_backward._plans(problem, lse, rows, accum, dk, schedule, torch.ones(()), False, 2) is not plans
+    plans = gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2)
+    assert gluon_backward._plans(problem, lse, rows, accum, dk, get_schedule(problem, 128, 128), None, False, 2) \
+        is plans  # (the problem's schedule is cached: the same object)
+    monkeypatch.setattr(gluon_backward, "HEAVY_FIRST", False)
+    assert gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2) is not plans

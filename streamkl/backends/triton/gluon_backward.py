@@ -754,7 +754,30 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     """(grid, positional arguments, constexprs) of one launch over `heads` heads from `head_lo`
     (default all of them); `dq2` is the float32 accumulator of those heads [B, N, heads, D]. Block
     masks or a window (`listed`): `schedule` (query-major, 128 x 128 tiles) is walked through its
-    key-major view."""
+    key-major view. `both`: BOTH's (dk1, expect, dq1 accumulator)."""
+    grid, fixed, constexprs = launch_plan(problem, lse1, grad_rows, dq2, dk2, schedule, g_scale is None, head_lo,
+                                          heads, both is not None)
+    args = call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale, both)
+    return grid, (*args, *(lse1 if t is None else t for t in fixed)), constexprs
+
+
+def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None) -> tuple:
+    """The launch's leading arguments, those each call's tensors make: the inputs' descriptors,
+    the statistics, g, the accumulators and gradients (and their descriptors), g's scale."""
+    descs = [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
+    return (
+        *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2) if DQ_TMA else descs[0],
+        *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
+        lse1 if g_scale is None else g_scale,
+    )  # fmt: skip
+
+
+def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unscaled: bool = True,
+                head_lo: int = 0, heads: int | None = None, both: bool = False):
+    """What a launch takes beyond `call_args`: (grid, the arguments after them, constexprs), the
+    same for every call of the problem whose tensors have these strides (`unscaled`: no g_scale).
+    None among the arguments marks a placeholder pointer the kernel does not read (the call's
+    lse1 takes its place: `launch_args`)."""
     from streamkl.backends.triton.common import (
         broadcast_strides,
         group_sizes,
@@ -771,7 +794,7 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     k_programs = -(-problem.seqlen_k // BLOCK_N)
     heads = problem.heads if heads is None else heads
     varlen = problem.is_varlen
-    cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (lse1, lse1)
+    cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (None, None)
     is_listed = listed(problem)
     if is_listed:
         assert schedule is not None and (schedule.block_q, schedule.block_k) == (128, BLOCK_N)
@@ -780,36 +803,33 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
         list_strides = (*broadcast_strides(keys.q_count), *broadcast_strides(keys.q_index)[:3])
         window = window_bounds(problem)
     else:
-        lists, list_strides, window = (lse1,) * 4, (0,) * 6, (-1, -1)
+        lists, list_strides, window = (None,) * 4, (0,) * 6, (-1, -1)
     programs = k_programs * problem.batch * (heads // group2)
     grid_key_major = key_major(problem, programs)
     ordered = is_listed and bool(HEAVY_FIRST) and not grid_key_major  # (the table holds head-major ids)
     order = heaviest_first(keys.q_count, problem.batch, head_lo, heads // group2, group2, k_programs) if ordered \
-        else lse1
-    descs = [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
-    use_tma = bool(DQ_TMA)
-    args = (
-        *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2) if use_tma else descs[0],
-        *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
-        lse1 if g_scale is None else g_scale, cu_q, cu_k, *lists, order,
+        else None
+    fixed = (
+        cu_q, cu_k, *lists, order,
         *stat_strides(lse1, varlen), *row_strides(grad_rows, varlen), *row_strides(dq2, varlen),
         *row_strides(dk2, varlen),
         *list_strides, *window,
         problem.seqlen_q, problem.seqlen_k, heads // group2, head_lo, group1, group2,
         scale1, scale2, scale2 * LN2, scale1 * LN2, k_programs,
     )  # fmt: skip
+    use_tma = bool(DQ_TMA)
     ds_layout = ds_shared_layout(problem.dtype)
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
-                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=g_scale is not None, VARLEN=varlen,
+                      DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
-                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=both is not None)
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=both)
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
-    if both is not None:  # two query stages: the second dS^T pair takes the third's room
+    if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
     constexprs["ORDERED"] = ordered
-    return (programs,), args, constexprs
+    return (programs,), fixed, constexprs
 
 
 #: Both sides' gradients by the same kernel where `applies_both` holds (BOTH: dS1 = g p (ln(p / q)
@@ -906,27 +926,48 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     return _backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, None)
 
 
-def _next_chunk(args: tuple, constexprs: dict, problem: Problem, schedule, head_lo: int, heads: int) -> tuple:
-    """`launch_args`'s arguments of one head chunk made those of the chunk from `head_lo`: its first
-    head and (ORDERED) its program table."""
-    from streamkl.backends.triton.common import group_sizes
-    from streamkl.sparse.schedule import get_key_schedule, heaviest_first
+def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool, chunks: int) -> list:
+    """The launch plans of `_backward`'s head chunks, kept with the problem (`problem.extra`, as the
+    forward's: the front end hands a call with a validated call's metadata that call's Problem) and
+    made again when what they were made from changes: the schedule, BOTH, the strides of g (a
+    reduced loss's expanded g or a head-major copy) and lse, g_scale or not, the head chunks, the
+    module switches `launch_plan` reads. A plan: [grid, the arguments after `call_args`, constexprs,
+    the compiled kernel once launched]."""
+    key = (both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
+           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2)
+    kept = problem.extra.get("gluon_backward_plans")
+    if kept is not None and kept[0] is schedule and kept[1] == key:
+        return kept[2]
+    per_chunk = problem.heads // chunks
+    plans = [[*launch_plan(problem, lse1, g, accum2, dk2, schedule, g_scale is None, chunk * per_chunk, per_chunk,
+                           both), None] for chunk in range(chunks)]
+    problem.extra["gluon_backward_plans"] = (schedule, key, plans)
+    return plans
 
-    names = _kl_bwd_gluon_kernel.arg_names
-    args = list(args)
-    args[names.index("head_lo")] = head_lo
-    if constexprs["ORDERED"]:
-        group2 = group_sizes(problem)[1]
-        args[names.index("ORDER")] = heaviest_first(get_key_schedule(schedule).q_count, problem.batch, head_lo,
-                                                    heads // group2, group2, args[names.index("k_programs")])
-    return tuple(args)
+
+def _launch(plan: list, args: tuple, lse1) -> None:
+    """One launch of a kept plan with the call's leading arguments: through the compiled kernel's
+    own launcher once the plan has one (every argument's specialization is the plan's: the call's
+    tensors are new or checked by `applies` and the plan's key), else `direct_launch`, whose compiled
+    kernel the plan then keeps."""
+    from streamkl.backends.triton.common import direct_launch, launch_hooks_active, run_compiled
+
+    grid, fixed, constexprs, entry = plan
+    args = (*args, *(lse1 if t is None else t for t in fixed))
+    if entry is not None and not launch_hooks_active():
+        run_compiled(entry, grid, args)
+        return
+    compiled = direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
+    names = _kl_bwd_gluon_kernel.arg_names[len(args):]
+    if hasattr(compiled, "packed_metadata") and set(names) == set(constexprs):
+        plan[3] = (compiled, tuple(constexprs[name] for name in names))
 
 
 def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, expect):
     """`kl_backward`'s launches, and with `expect` (BOTH) side 1's gradients too: (dq1, dk1, dq2,
     dk2), None where not computed."""
     from streamkl.backends.triton.backward import atomic_head_chunks, flush_dq, rescaled_upstream
-    from streamkl.backends.triton.common import direct_launch, group_sizes
+    from streamkl.backends.triton.common import group_sizes
 
     both = expect is not None
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
@@ -950,14 +991,12 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     dq2 = torch.empty_like(q2) if flushed else None
     dq1 = torch.empty_like(q1) if both else None
     outs = (dq2, dq1) if both else (dq2,)
-    for chunk in range(chunks):
+    plans = _plans(problem, lse1, g, accum2, dk2, schedule, g_scale, both, chunks)
+    # every chunk: the same tensors (the accumulators flushed and zeroed between them)
+    args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None)
+    for chunk, plan in enumerate(plans):
         lo = chunk * per_chunk
-        if chunk == 0:
-            grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, schedule,
-                                                 g_scale, lo, per_chunk, both=(dk1, expect, accum1) if both else None)
-        else:  # the same tensors (the accumulators flushed and zeroed): only the chunk's first head moves
-            args = _next_chunk(args, constexprs, problem, schedule, lo, per_chunk)
-        direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
+        _launch(plan, args, lse1)
         if flushed and not flush_dq(accums, outs, lo):
             for out, accum in zip(outs, accums):  # (not contiguous: as flush_dq would)
                 out[..., lo:lo + per_chunk, :].copy_(accum)
