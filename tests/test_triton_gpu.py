@@ -986,10 +986,11 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, (128, 64), True, False),
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
-     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2")],
+     (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
+     (torch.float16, 64, True, None)],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
-         "backward-fp16-D64-varlen-tail-gqa-vec2"],
+         "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -1032,6 +1033,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     elif overlap in (None, "backward-listed"):  # dq2 by TMA bulk reductions (DQ_TMA, the default)
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
+        if dim == 64:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
+            assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16" in result["ptx"]
 
 
 @gpu

@@ -367,11 +367,12 @@ if GLUON_IMPORT_ERROR is None:
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
-                      DIAG: gl.constexpr):
+                      DIAG: gl.constexpr, DQ_COLS: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
-        are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction: at
-        D=128 each warpgroup its 64 columns, at D=64 one warpgroup all 64 (turns by tile parity)."""
+        are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
+        each warpgroup its DQ_COLS columns every tile (D=128: 64; D=64 with DQ_SPLIT64: 32), or at
+        D=64 with DQ_COLS 64 one warpgroup all 64 (turns by tile parity)."""
         HALF: gl.constexpr = 64
         # the score tiles [rows, keys] (S = q k^T: the rows across the wgmma M dimension, each thread
         # two rows' statistics; as S^T = k q^T, before the eleventh session, sixteen rows' a thread)
@@ -387,10 +388,10 @@ if GLUON_IMPORT_ERROR is None:
         gl.static_assert(BLOCK_M == HALF)  # (the layout above: both dims of a score tile 64)
         zero_s = gl.zeros([BLOCK_M, HALF], gl.float32, s_layout)
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, 64, 16])  # [rows, 64 of D]
-        zero_q = gl.zeros([BLOCK_M, 64], gl.float32, q_layout)
-        if D > 64:  # this warpgroup's 64 columns of dq2, k2[:, cols], every tile
-            kb2 = k2_smem.slice(WG * 64, 64, dim=1)
+                                                           instr_shape=[16, DQ_COLS, 16])  # [rows, DQ_COLS of D]
+        zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, q_layout)
+        if D > DQ_COLS:  # this warpgroup's DQ_COLS columns of dq2, k2[:, cols], every tile
+            kb2 = k2_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1)
         else:  # D = 64: all of dq2's columns, every other tile (turns by parity)
             kb2 = k2_smem
         dk = gl.zeros([HALF, D], gl.float32, d_layout)
@@ -399,7 +400,7 @@ if GLUON_IMPORT_ERROR is None:
             dk1 = gl.zeros([HALF, D], gl.float32, d_layout)
             kb1 = k1_smem.slice(WG * 64, 64, dim=1)
         o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-        o_dq_col = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout)).to(gl.int64)
+        o_dq_col = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, q_layout)).to(gl.int64)
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
         mbarrier.wait(k_bar, 0)
         # DIAG (causal, dense whole tiles, no GQA): two loops, the steps on the diagonal (masked) then
@@ -509,17 +510,18 @@ if GLUON_IMPORT_ERROR is None:
                 # as before the ninth session, were 32 values hoisted out of the loop and spilled)
                 p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
                 p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-                if D > 64:
+                if D > DQ_COLS:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
-                    if DQ_TMA:  # this warpgroup's [64, 64] piece by one TMA bulk reduction
-                        _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D + WG * 64)
+                    if DQ_TMA:  # this warpgroup's [64, DQ_COLS] piece by one TMA bulk reduction
+                        _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0,
+                                   dq_col + h_in * D + WG * DQ_COLS)
                         if BOTH:  # dq1 through the same shared tile, once the TMA unit has read dq2's
                             dq1 = hopper.warpgroup_mma(ds1_all, kb1, zero_q, use_acc=False)
                             _reduce_dq(dq1_desc, dq_smem, dq1 * out_scale1, q_row + tile_row0,
                                        dq_col + h_in * D + WG * 64)
                     else:
-                        _add_dq(p_rows + (WG * 64 + o_dq_col)[None, :], dq * out_scale2, VEC)
+                        _add_dq(p_rows + (WG * DQ_COLS + o_dq_col)[None, :], dq * out_scale2, VEC)
                 elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
@@ -549,20 +551,20 @@ if GLUON_IMPORT_ERROR is None:
                         n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr):
+                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
         LSE1, LSE2, GRAD, DQ2, DK2,
-        dq_desc,  # DQ_TMA: the float32 dq2 buffer as 2-D [B * N, heads * D], [64, 64] boxes; else unused
+        dq_desc,  # DQ_TMA: the float32 dq2 buffer as 2-D [B * N, heads * D], [64, DQ_COLS] boxes; else unused
         DK1, EXPECT, dq1_desc,  # BOTH: side 1's dk, the rows' E, its float32 dq buffer
         G_SCALE,  # NORM_G (float16): what GRAD was divided by
         CU_Q, CU_K,  # VARLEN: cu_seqlens (int32); else unused
@@ -592,6 +594,7 @@ if GLUON_IMPORT_ERROR is None:
         BOTH: gl.constexpr,  # side 1's gradients too (BOTH_SIDES)
         DIAG: gl.constexpr,  # causal, dense whole tiles, no GQA: unmasked steps after the diagonal's (DIAG_LOOPS)
         ORDERED: gl.constexpr,  # LISTED: this program's id read from ORDER (each head's busiest key tiles first)
+        DQ_COLS: gl.constexpr,  # dq2's columns a consumer warpgroup computes a step (64; D=64 with DQ_SPLIT64: 32)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -668,7 +671,7 @@ if GLUON_IMPORT_ERROR is None:
         else:
             both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
         if DQ_TMA:  # each consumer warpgroup's float32 dq2 tile on its way to the TMA unit
-            dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 64], DQ_LAYOUT)
+            dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], DQ_LAYOUT)
             dq_smem0 = dq_all.index(0)
             dq_smem1 = dq_all.index(1)
         else:
@@ -703,7 +706,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG)),
+                                 DIAG, DQ_COLS)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -711,7 +714,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG)),
+                                   DIAG, DQ_COLS)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -735,18 +738,30 @@ def ds_shared_layout(dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl_dtype(dtype))
 
 
-@functools.lru_cache(maxsize=1)
-def dq_layout():
-    """The shared layout of a [64, 64] float32 dq2 tile (DQ_TMA)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.float32)
+@functools.lru_cache(maxsize=4)
+def dq_layout(cols: int = 64):
+    """The shared layout of a [64, cols] float32 dq tile (DQ_TMA)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, cols], gl.float32)
 
 
-def dq_descriptor(accum: torch.Tensor):
-    """The float32 dq2 accumulator [..., heads, D] as a 2-D [tokens, heads * D] TMA target in
-    [64, 64] boxes (DQ_TMA; allocated by `_backward`: contiguous, aligned, non-empty)."""
+def dq_descriptor(accum: torch.Tensor, cols: int = 64):
+    """The float32 dq accumulator [..., heads, D] as a 2-D [tokens, heads * D] TMA target in
+    [64, cols] boxes (DQ_TMA; allocated by `_backward`: contiguous, aligned, non-empty)."""
     from streamkl.backends.triton.common import fast_descriptor
 
-    return fast_descriptor(TensorDescriptor, accum, accum.shape[-2] * accum.shape[-1], [BLOCK_M, 64], dq_layout())
+    return fast_descriptor(TensorDescriptor, accum, accum.shape[-2] * accum.shape[-1], [BLOCK_M, cols],
+                           dq_layout(cols))
+
+
+#: At head dim 64 each consumer warpgroup computes and adds 32 of dq2's 64 columns every step
+#: (DQ_COLS 32: [64, 32] wgmma tiles and TMA reductions), instead of one warpgroup all 64 every
+#: other step by parity, which leaves the other waiting at the dS barrier (DQ_TMA only).
+DQ_SPLIT64 = True
+
+
+def dq_cols(dim: int) -> int:
+    """dq2's columns one consumer warpgroup computes a step (`DQ_SPLIT64`)."""
+    return 32 if dim == 64 and DQ_SPLIT64 and DQ_TMA else 64
 
 
 def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, schedule=None, g_scale=None,
@@ -766,7 +781,7 @@ def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, bot
     the statistics, g, the accumulators and gradients (and their descriptors), g's scale."""
     descs = [flat_descriptor(t, rows) for t, rows in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
     return (
-        *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2) if DQ_TMA else descs[0],
+        *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2, dq_cols(dq2.shape[-1])) if DQ_TMA else descs[0],
         *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
         lse1 if g_scale is None else g_scale,
     )  # fmt: skip
@@ -822,7 +837,8 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
-                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(), BOTH=both)
+                      DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
+                      DQ_COLS=dq_cols(problem.dim2))
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
     if both:  # two query stages: the second dS^T pair takes the third's room
@@ -934,7 +950,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     module switches `launch_plan` reads. A plan: [grid, the arguments after `call_args`, constexprs,
     the compiled kernel once launched]."""
     key = (both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
-           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2)
+           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is not None and kept[0] is schedule and kept[1] == key:
         return kept[2]
@@ -1013,6 +1029,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; None: as `DQ_TMA`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
+    cols = 32 if dim == 64 and DQ_SPLIT64 and tma_dq else 64
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
     stats = torch.empty(4, dtype=torch.float32)
@@ -1023,7 +1040,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                   "window_right")
     examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
     examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t,
-                    dq_desc=dq_descriptor(torch.empty(2, BLOCK_N, 4, dim)) if tma_dq else descs[0],
+                    dq_desc=dq_descriptor(torch.empty(2, BLOCK_N, 4, dim), cols) if tma_dq else descs[0],
                     DK1=t, EXPECT=stats, dq1_desc=dq_descriptor(torch.empty(2, BLOCK_N, 4, dim)),
                     G_SCALE=stats, CU_Q=cu, CU_K=cu)
     examples.update(Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu, Q_FLAGS=torch.zeros(3, dtype=torch.int8), ORDER=cu)
@@ -1034,7 +1051,8 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
                       DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
-                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
+                      DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(cols), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
+                      DQ_COLS=cols,
                       ORDERED=listed and bool(HEAVY_FIRST) and not KEY_MAJOR_GRID,
                       DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
     if both:
