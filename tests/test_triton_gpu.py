@@ -1002,8 +1002,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     _gluon()
     dtype, dim, causal, overlap = config
     call = f"torch.{str(dtype).split('.')[-1]}, {dim}, {causal}"
-    if overlap is None:  # the student backward, gluon_backward.py
-        call = f"g.gluon_backward.compile_for_hopper({call})"
+    if overlap is None:  # the student backward, gluon_backward.py (at D=64: DQ_SPLIT64's variant)
+        call = f"g.gluon_backward.compile_for_hopper({call}, dq_split={dim == 64})"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
@@ -1033,7 +1033,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     elif overlap in (None, "backward-listed"):  # dq2 by TMA bulk reductions (DQ_TMA, the default)
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
-        if dim == 64:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
+        if dim == 64 and overlap is None:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
             assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16" in result["ptx"]
 
 
@@ -1242,7 +1242,7 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["atomics", "tma"])
+@pytest.mark.parametrize("tma", [False, True, "split64"], ids=["atomics", "tma", "tma-split64"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1256,14 +1256,16 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
     # dq2 by element atomics / vector reductions, or by TMA bulk reductions (DQ_TMA, tenth session)
-    monkeypatch.setattr(gluon_backward, "DQ_TMA", tma)
+    monkeypatch.setattr(gluon_backward, "DQ_TMA", bool(tma))
+    # D=64: dq2's columns split between the warpgroups every step (DQ_SPLIT64, fourteenth session: off)
+    monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma == "split64")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
     bf16, fp16 = torch.bfloat16, torch.float16
     cases = [(128, False, 256, 384, (2, 4), bf16), (128, True, 384, 384, (4, 4), bf16),
-             (64, True, 192, 256, (1, 4), bf16), (128, True, 256, 256, (2, 4), fp16),
-             (128, True, 640, 1024, (4, 4), bf16)]
+             (64, True, 192, 256, (1, 4), bf16), (64, False, 256, 384, (2, 4), fp16),
+             (128, True, 256, 256, (2, 4), fp16), (128, True, 640, 1024, (4, 4), bf16)]
     for d, causal, n_q, n_k, heads_k, dtype in cases:
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), dtype, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
@@ -1431,12 +1433,13 @@ def test_gluon_backward_kept_plans_match_launch_args(masked, monkeypatch):
         assert kept[names.index("head_lo")] == 2 * chunk
         # placeholders, the call's lse: cu_seqlens (dense), and unmasked the lists and the order table
         assert sum(t is lse for t in kept[len(args):]) == (2 if masked else 7)
-    # what makes new plans
+    # what makes other plans, kept next to these (alternating reductions do not make them anew)
     expanded = torch.ones(()).expand(2, 256, 4)
-    assert gluon_backward._plans(problem, lse, expanded, accum, dk, schedule, None, False, 2) is not plans
-    plans = gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2)
+    other = gluon_backward._plans(problem, lse, expanded, accum, dk, schedule, None, False, 2)
+    assert other is not plans and other[0][1][10:13] == (0, 0, 0)  # (g's strides: expanded)
+    assert gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2) is plans
+    assert gluon_backward._plans(problem, lse, expanded, accum, dk, schedule, None, False, 2) is other
     assert gluon_backward._plans(problem, lse, rows, accum, dk, schedule, torch.ones(()), False, 2) is not plans
-    plans = gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2)
     assert gluon_backward._plans(problem, lse, rows, accum, dk, get_schedule(problem, 128, 128), None, False, 2) \
         is plans  # (the problem's schedule is cached: the same object)
     monkeypatch.setattr(gluon_backward, "HEAVY_FIRST", False)

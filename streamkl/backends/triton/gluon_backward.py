@@ -754,9 +754,14 @@ def dq_descriptor(accum: torch.Tensor, cols: int = 64):
 
 
 #: At head dim 64 each consumer warpgroup computes and adds 32 of dq2's 64 columns every step
-#: (DQ_COLS 32: [64, 32] wgmma tiles and TMA reductions), instead of one warpgroup all 64 every
-#: other step by parity, which leaves the other waiting at the dS barrier (DQ_TMA only).
-DQ_SPLIT64 = True
+#: (DQ_COLS 32: [64, 32] wgmma tiles and TMA reductions; DQ_TMA only) instead of one warpgroup all
+#: 64 every other step by parity. Written in the thirteenth session (its branch was lost) and again
+#: in the fourteenth; its GPU tests passed there, and it was slower (H200, N=16K, H=16, bf16, forward
+#: + student backward, calls interleaved in one process): 10.84 against 9.76 ms, causal 5.91
+#: against 5.46 (results/ab_dq_split64_h200.jsonl). Twice the wgmma instructions of half the N, two
+#: TMA reductions a step instead of one, and both warpgroups waiting on every dS barrier phase
+#: cost more than the parity's imbalance. Off.
+DQ_SPLIT64 = False
 
 
 def dq_cols(dim: int) -> int:
@@ -944,20 +949,25 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
 
 def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool, chunks: int) -> list:
     """The launch plans of `_backward`'s head chunks, kept with the problem (`problem.extra`, as the
-    forward's: the front end hands a call with a validated call's metadata that call's Problem) and
-    made again when what they were made from changes: the schedule, BOTH, the strides of g (a
+    forward's: the front end hands a call with a validated call's metadata that call's Problem), one
+    set for each combination of what they are made from: the schedule, BOTH, the strides of g (a
     reduced loss's expanded g or a head-major copy) and lse, g_scale or not, the head chunks, the
-    module switches `launch_plan` reads. A plan: [grid, the arguments after `call_args`, constexprs,
-    the compiled kernel once launched]."""
-    key = (both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
+    module switches `launch_plan` reads. A plan: [grid, the arguments after `call_args`,
+    constexprs, the compiled kernel once launched]."""
+    key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64)
     kept = problem.extra.get("gluon_backward_plans")
-    if kept is not None and kept[0] is schedule and kept[1] == key:
-        return kept[2]
+    if kept is None:
+        kept = problem.extra["gluon_backward_plans"] = {}
+    hit = kept.get(key)
+    if hit is not None and hit[0] is schedule:  # (the entry holds its schedule: the id is not reused)
+        return hit[1]
     per_chunk = problem.heads // chunks
     plans = [[*launch_plan(problem, lse1, g, accum2, dk2, schedule, g_scale is None, chunk * per_chunk, per_chunk,
                            both), None] for chunk in range(chunks)]
-    problem.extra["gluon_backward_plans"] = (schedule, key, plans)
+    if len(kept) >= 8:  # (a few combinations a problem in practice: the oldest goes)
+        del kept[next(iter(kept))]
+    kept[key] = (schedule, plans)
     return plans
 
 
@@ -1025,11 +1035,13 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
-                       tma_dq: bool | None = None, both: bool = False):
+                       tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
-    (`tma_dq`: dq2 by TMA reductions; None: as `DQ_TMA`)."""
+    (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
+    None: as `DQ_TMA` / `DQ_SPLIT64`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
-    cols = 32 if dim == 64 and DQ_SPLIT64 and tma_dq else 64
+    dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
+    cols = 32 if dim == 64 and dq_split and tma_dq else 64
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
     stats = torch.empty(4, dtype=torch.float32)
