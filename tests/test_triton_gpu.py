@@ -924,6 +924,30 @@ def test_gluon_backward_kept_plans_on_the_gpu(monkeypatch, chunks):
 
 
 @gpu
+def test_forward_plan_keeps_compiled_kernels(monkeypatch):
+    """forward.py's launch plan keeps the compiled kernel for each combination of the inputs'
+    strides and alignment (fourteenth session), launched by `run_compiled` from the next call of
+    the same problem on; a call with strided inputs compiles or finds its own. Every call against
+    the float64 reference (D=64: forward.py's kernel by default)."""
+    from streamkl.backends.triton import forward
+
+    runs = []
+    original = forward.run_compiled
+    monkeypatch.setattr(forward, "run_compiled", lambda *a: runs.append(1) or original(*a))
+    x = make_inputs((2, 256), (2, 384), 4, (2, 4), (64, 64), torch.bfloat16, DEVICE, (False, False, True, True))
+    for _ in range(3):
+        check_against_reference(x, "triton", causal=True)
+    assert len(runs) >= 2
+    wide = torch.randn(2, 256, 4, 80, device=DEVICE, dtype=torch.bfloat16)
+    strided = [x[0], x[1], wide[..., 8:72].requires_grad_(), x[3]]  # q2 strided, its base 16 bytes off
+    assert strided[2].stride() != x[2].stride() and strided[2].data_ptr() % 32 == 16
+    runs.clear()
+    for _ in range(2):
+        check_against_reference(strided, "triton", causal=True)
+    assert len(runs) >= 1
+
+
+@gpu
 def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
     """BOTH over packed sequences of whole tiles (thirteenth session): an empty sequence, Nk > Nq, a
     sequence of three 64-row steps, rows and keys past cu_seqlens[-1] (their gradients 0), causal or
