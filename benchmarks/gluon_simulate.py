@@ -13,6 +13,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py        # ~15 s: eight problems
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward    # the student backward (gluon_backward.py)
     ... --backward --atomics    # with dq2 added by atomics (DQ_TMA off);  --backward --both: all four gradients
+    ... --backward [--both] --lag    # each step's dq tiles a step later (DQ_LAG)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -453,6 +454,10 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DQ_TMA = False
+    if "--lag" in sys.argv:  # each step's dq tiles at the top of the next step (DQ_LAG)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.DQ_LAG = True
     if "--both" in sys.argv:  # the kernel with BOTH (all four gradients)
         worst = max(simulate_both(triton_viz, client, *case) for case in
                     ((1, 128, 128, 1, False), (1, 128, 256, 2, True), (2, 256, 256, 2, True, torch.float16, 2),

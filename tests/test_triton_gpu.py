@@ -972,6 +972,26 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
 
 
 @gpu
+def test_gluon_both_sides_backward_with_lagged_dq(monkeypatch):
+    """BOTH with each step's dq1 / dq2 tiles computed at the top of the next step (`DQ_LAG`,
+    fourteenth session, off by default): dense causal and not, a block mask on both sides, two head
+    chunks, against the float64 reference."""
+    from streamkl import BlockMask
+    from streamkl.backends.triton import backward
+
+    calls = _count_both_sides_calls(monkeypatch, DQ_LAG=True)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.6
+    pattern[..., 0] = True
+    mask = BlockMask.from_dense(pattern, 128)
+    for kwargs, chunks in ((dict(causal=True), None), (dict(), 2), (dict(mask1=mask, mask2=mask), None)):
+        monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", chunks)
+        x = make_inputs((2, 384), (2, 384), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
+        check_against_reference(x, "triton", **kwargs)
+    assert len(calls) == 3
+
+
+@gpu
 def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
     """BOTH over the key schedule's lists (`gluon_backward.BOTH_LISTED`, twelfth session): the same
     block mask on both sides (query blocks without keys: their rows' gradients 0), a side-1 mask
@@ -1011,10 +1031,10 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
-     (torch.float16, 64, True, None)],
+     (torch.float16, 64, True, None), (torch.bfloat16, 128, True, "backward-lag")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
-         "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal"],
+         "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal", "backward-bf16-D128-causal-lag"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -1028,6 +1048,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     call = f"torch.{str(dtype).split('.')[-1]}, {dim}, {causal}"
     if overlap is None:  # the student backward, gluon_backward.py (at D=64: DQ_SPLIT64's variant)
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_split={dim == 64})"
+    elif overlap == "backward-lag":  # each step's dq2 tiles at the top of the next step (DQ_LAG)
+        call = f"g.gluon_backward.compile_for_hopper({call}, dq_lag=True)"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
@@ -1054,7 +1076,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed"):  # dq2 by TMA bulk reductions (DQ_TMA, the default)
+    elif overlap in (None, "backward-listed", "backward-lag"):  # dq2 by TMA bulk reductions (DQ_TMA, the default)
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
         if dim == 64 and overlap is None:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
@@ -1266,7 +1288,7 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64"], ids=["atomics", "tma", "tma-split64"])
+@pytest.mark.parametrize("tma", [False, True, "split64", "lag"], ids=["atomics", "tma", "tma-split64", "tma-lag"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1283,6 +1305,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "DQ_TMA", bool(tma))
     # D=64: dq2's columns split between the warpgroups every step (DQ_SPLIT64, fourteenth session: off)
     monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma == "split64")
+    # each step's dq tiles at the top of the next step (DQ_LAG, fourteenth session: off, simulated only)
+    monkeypatch.setattr(gluon_backward, "DQ_LAG", tma == "lag")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))

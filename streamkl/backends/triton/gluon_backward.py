@@ -305,6 +305,26 @@ if GLUON_IMPORT_ERROR is None:
         _tma_reduce_add(dq_desc, [row, col], dq_smem)
 
     @gluon.jit
+    def _lagged_dq(j, ds_smem, ds1_smem, kb2, kb1, zero_q, ds_bar, dq_desc, dq1_desc, dq_smem, out_scale2,
+                   out_scale1, q_row, dq_col, index, first_tile, n_per, len_q, WG: gl.constexpr, D: gl.constexpr,
+                   BLOCK_M: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
+                   BOTH: gl.constexpr, DQ_COLS: gl.constexpr):
+        """DQ_LAG: step j's dq2 (and with BOTH dq1) tile, computed at the top of step j + 1 (or after
+        the last step) from the dS buffer j % 2, once both warpgroups' halves are there: this
+        warpgroup's DQ_COLS columns (D > DQ_COLS), or at D=64 all of them on its parity's steps."""
+        if D > DQ_COLS or j % 2 == WG:
+            row_j, _, h_j = _step_rows(j, index, first_tile, n_per, len_q, BLOCK_M, LISTED, TAIL, GQA2)
+            mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)  # both halves of step j's dS stored
+            dq = hopper.warpgroup_mma(ds_smem.index(j % 2), kb2, zero_q, use_acc=False)
+            if D > DQ_COLS:
+                _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + row_j, dq_col + h_j * D + WG * DQ_COLS)
+                if BOTH:
+                    dq1 = hopper.warpgroup_mma(ds1_smem.index(j % 2), kb1, zero_q, use_acc=False)
+                    _reduce_dq(dq1_desc, dq_smem, dq1 * out_scale1, q_row + row_j, dq_col + h_j * D + WG * 64)
+            else:
+                _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + row_j, dq_col + h_j * D)
+
+    @gluon.jit
     def _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
                    TAIL: gl.constexpr, GQA2: gl.constexpr):
         """Step i's first query row (sequence-local), the first row it owns (TAIL: earlier ones
@@ -367,12 +387,14 @@ if GLUON_IMPORT_ERROR is None:
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
-                      DIAG: gl.constexpr, DQ_COLS: gl.constexpr):
+                      DIAG: gl.constexpr, DQ_COLS: gl.constexpr, DQ_LAG: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
         each warpgroup its DQ_COLS columns every tile (D=128: 64; D=64 with DQ_SPLIT64: 32), or at
-        D=64 with DQ_COLS 64 one warpgroup all 64 (turns by tile parity)."""
+        D=64 with DQ_COLS 64 one warpgroup all 64 (turns by tile parity); with DQ_LAG a step later, at
+        the top of the next step (`_lagged_dq`), so that neither warpgroup waits for the other's
+        current step."""
         HALF: gl.constexpr = 64
         # the score tiles [rows, keys] (S = q k^T: the rows across the wgmma M dimension, each thread
         # two rows' statistics; as S^T = k q^T, before the eleventh session, sixteen rows' a thread)
@@ -399,6 +421,8 @@ if GLUON_IMPORT_ERROR is None:
         if BOTH:  # side 1's gradients too: dk1 in registers, dq1 by TMA reductions
             dk1 = gl.zeros([HALF, D], gl.float32, d_layout)
             kb1 = k1_smem.slice(WG * 64, 64, dim=1)
+        else:
+            kb1 = kb2  # (unused)
         o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
         o_dq_col = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, q_layout)).to(gl.int64)
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
@@ -419,6 +443,11 @@ if GLUON_IMPORT_ERROR is None:
                 i_hi = n_tiles
             for i in range(i_lo, i_hi):
                 slot = i % STAGES
+                if DQ_LAG:  # the previous step's dq tile (this step's dS buffer is then free to write)
+                    if i > 0:
+                        _lagged_dq(i - 1, ds_smem, ds1_smem, kb2, kb1, zero_q, ds_bar, dq_desc, dq1_desc, dq_smem,
+                                   out_scale2, out_scale1, q_row, dq_col, index, first_tile, n_per, len_q, WG, D,
+                                   BLOCK_M, LISTED, TAIL, GQA2, BOTH, DQ_COLS)
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
                 t1 = hopper.warpgroup_mma(q1_smem.index(slot), ka1.permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
@@ -510,7 +539,9 @@ if GLUON_IMPORT_ERROR is None:
                 # as before the ninth session, were 32 values hoisted out of the loop and spilled)
                 p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
                 p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-                if D > DQ_COLS:
+                if DQ_LAG:
+                    pass  # (at the top of the next step)
+                elif D > DQ_COLS:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:  # this warpgroup's [64, DQ_COLS] piece by one TMA bulk reduction
@@ -529,6 +560,11 @@ if GLUON_IMPORT_ERROR is None:
                         _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
                     else:
                         _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
+        if DQ_LAG:  # the last step's dq tile
+            if n_tiles > 0:
+                _lagged_dq(n_tiles - 1, ds_smem, ds1_smem, kb2, kb1, zero_q, ds_bar, dq_desc, dq1_desc, dq_smem,
+                           out_scale2, out_scale1, q_row, dq_col, index, first_tile, n_per, len_q, WG, D, BLOCK_M,
+                           LISTED, TAIL, GQA2, BOTH, DQ_COLS)
         if DQ_TMA:  # the last reduction has read its shared tile before the program's memory goes
             tma.store_wait(0)
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
@@ -551,14 +587,15 @@ if GLUON_IMPORT_ERROR is None:
                         n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr):
+                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
+                        DQ_LAG: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, DQ_LAG)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -595,6 +632,7 @@ if GLUON_IMPORT_ERROR is None:
         DIAG: gl.constexpr,  # causal, dense whole tiles, no GQA: unmasked steps after the diagonal's (DIAG_LOOPS)
         ORDERED: gl.constexpr,  # LISTED: this program's id read from ORDER (each head's busiest key tiles first)
         DQ_COLS: gl.constexpr,  # dq2's columns a consumer warpgroup computes a step (64; D=64 with DQ_SPLIT64: 32)
+        DQ_LAG: gl.constexpr,  # DQ_TMA: each step's dq tiles at the top of the next step (`DQ_LAG`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -706,7 +744,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS)),
+                                 DIAG, DQ_COLS, DQ_LAG)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -714,7 +752,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS)),
+                                   DIAG, DQ_COLS, DQ_LAG)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -762,6 +800,20 @@ def dq_descriptor(accum: torch.Tensor, cols: int = 64):
 #: TMA reductions a step instead of one, and both warpgroups waiting on every dS barrier phase
 #: cost more than the parity's imbalance. Off.
 DQ_SPLIT64 = False
+
+
+#: Each step's dq tiles computed at the top of the next step (and the last one's after the loop)
+#: instead of at the end of their own (DQ_TMA only). The warpgroups exchange dS halves every step,
+#: and a warpgroup computing step i's dq waited there for the other's half of step i, which keeps
+#: the two in lockstep, their exponentials (MUFU) and products (tensor cores) at the same times; a
+#: step later that half is long stored, and the two may drift apart so that one's exponentials
+#: overlap the other's products. Written in the fourteenth session after the device time was
+#: spent: the Gluon simulator passes with it (`gluon_simulate.py --backward [--both] --lag`) and
+#: its sm_90a builds compile, but it has not run or been timed on a GPU: off. To try: the GPU
+#: tests with it on (`test_gluon_student_backward_matches_reference[tma-lag]`,
+#: `test_gluon_both_sides_backward_with_lagged_dq`), then `ab_trees.py --interleave` on
+#: "student D=64", "student D=128 causal", "all D=128 causal" against a copy with it off.
+DQ_LAG = False
 
 
 def dq_cols(dim: int) -> int:
@@ -843,7 +895,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
-                      DQ_COLS=dq_cols(problem.dim2))
+                      DQ_COLS=dq_cols(problem.dim2), DQ_LAG=bool(DQ_LAG) and use_tma)
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
     if both:  # two query stages: the second dS^T pair takes the third's room
@@ -955,7 +1007,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     module switches `launch_plan` reads. A plan: [grid, the arguments after `call_args`,
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
-           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64)
+           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, DQ_LAG)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1035,12 +1087,14 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
 
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
-                       tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None):
+                       tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
+                       dq_lag: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
-    None: as `DQ_TMA` / `DQ_SPLIT64`)."""
+    `dq_lag`: each step's dq tiles a step later; None: as `DQ_TMA` / `DQ_SPLIT64` / `DQ_LAG`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
+    dq_lag = bool(DQ_LAG) if dq_lag is None else dq_lag
     cols = 32 if dim == 64 and dq_split and tma_dq else 64
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -1064,7 +1118,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                       DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(cols), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
-                      DQ_COLS=cols,
+                      DQ_COLS=cols, DQ_LAG=dq_lag and tma_dq,
                       ORDERED=listed and bool(HEAVY_FIRST) and not KEY_MAJOR_GRID,
                       DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
     if both:
