@@ -14,6 +14,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward    # the student backward (gluon_backward.py)
     ... --backward --atomics    # with dq2 added by atomics (DQ_TMA off);  --backward --both: all four gradients
     ... --backward [--both] --lag    # each step's dq tiles a step later (DQ_LAG)
+    ... --backward --pingpong    # the warpgroups taking turns (PINGPONG)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -458,6 +459,10 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DQ_LAG = True
+    if "--pingpong" in sys.argv:  # the warpgroups taking turns, dq two steps later (PINGPONG; student only)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.PINGPONG = True
     if "--both" in sys.argv:  # the kernel with BOTH (all four gradients)
         worst = max(simulate_both(triton_viz, client, *case) for case in
                     ((1, 128, 128, 1, False), (1, 128, 256, 2, True), (2, 256, 256, 2, True, torch.float16, 2),

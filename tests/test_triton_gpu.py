@@ -1031,10 +1031,12 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
-     (torch.float16, 64, True, None), (torch.bfloat16, 128, True, "backward-lag")],
+     (torch.float16, 64, True, None), (torch.bfloat16, 128, True, "backward-lag"),
+     (torch.bfloat16, 128, True, "backward-pingpong")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
-         "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal", "backward-bf16-D128-causal-lag"],
+         "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal", "backward-bf16-D128-causal-lag",
+         "backward-bf16-D128-causal-pingpong"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -1050,6 +1052,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_split={dim == 64})"
     elif overlap == "backward-lag":  # each step's dq2 tiles at the top of the next step (DQ_LAG)
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_lag=True)"
+    elif overlap == "backward-pingpong":  # the consumer warpgroups taking turns (PINGPONG)
+        call = f"g.gluon_backward.compile_for_hopper({call}, ping_pong=True)"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
@@ -1076,7 +1080,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed", "backward-lag"):  # dq2 by TMA bulk reductions (DQ_TMA, the default)
+    elif overlap in (None, "backward-listed", "backward-lag", "backward-pingpong"):  # dq2 by TMA bulk reductions
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
         if dim == 64 and overlap is None:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
@@ -1288,7 +1292,8 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "lag"], ids=["atomics", "tma", "tma-split64", "tma-lag"])
+@pytest.mark.parametrize("tma", [False, True, "split64", "lag", "pingpong"],
+                         ids=["atomics", "tma", "tma-split64", "tma-lag", "tma-pingpong"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1307,6 +1312,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma == "split64")
     # each step's dq tiles at the top of the next step (DQ_LAG, fourteenth session: off, simulated only)
     monkeypatch.setattr(gluon_backward, "DQ_LAG", tma == "lag")
+    # the warpgroups taking turns, dq two steps later (PINGPONG, fourteenth session: off, simulated only)
+    monkeypatch.setattr(gluon_backward, "PINGPONG", tma == "pingpong")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
