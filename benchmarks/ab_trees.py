@@ -17,6 +17,12 @@ state drifts between processes): PACKAGE is the old tree imported under another 
 's/\\bstreamkl\\b/streamkl_old/g' $(find old -name '*.py')` (its custom ops get that namespace).
 
     PYTHONPATH=old python benchmarks/ab_trees.py --interleave streamkl_old --out $OUT/ab.jsonl
+
+`--flip SWITCHES` interleaves this tree with a copy of itself whose module switches are set
+otherwise (the copy made here, in a temporary directory, as the package `streamkl_flip`: the device
+machine's copy of the tree has no git history to export an old one from); its rows are "old":
+
+    python benchmarks/ab_trees.py --flip backends.triton.gluon_backward.PINGPONG=True --cases "student D=64"
 """
 
 from __future__ import annotations
@@ -84,6 +90,31 @@ def make_run(lib, inputs, kwargs, grads):
     return run
 
 
+def flipped_package(spec: str) -> str:
+    """A copy of this tree's `streamkl`, imported as `streamkl_flip`, with the module switches of
+    `spec` set ("backends.triton.gluon_backward.PINGPONG=True,..."; values Python literals, set on
+    the imported modules: the switches are read at call time). Returns the package's name."""
+    import ast
+    import importlib
+    import re
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="ab-flip-"))
+    shutil.copytree(HERE.parent / "streamkl", root / "streamkl_flip", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (root / "streamkl_flip").rglob("*.py"):  # (its custom ops get that namespace too)
+        path.write_text(re.sub(r"\bstreamkl\b", "streamkl_flip", path.read_text()))
+    sys.path.insert(0, str(root))
+    for item in spec.split(","):
+        target, value = item.split("=", 1)
+        module, name = target.strip().rsplit(".", 1)
+        loaded = importlib.import_module(f"streamkl_flip.{module}")
+        if not hasattr(loaded, name):
+            raise SystemExit(f"--flip: streamkl.{module} has no {name}")
+        setattr(loaded, name, ast.literal_eval(value))
+    return "streamkl_flip"
+
+
 def interleaved(args):
     """Both packages in this process, each repetition timing one call of each (order alternating)."""
     import importlib
@@ -121,7 +152,8 @@ def interleaved(args):
                 if rep % 5 == 0:  # calls back to back (host hidden where the GPU is the bound)
                     back[label] += overlap.overlapped(runs[label], 5)
         for label in runs:
-            row = dict(case=name, tree=label, sync_ms=round(statistics.median(sync[label]), 4),
+            row = dict(case=name, tree=label, old=args.flip or args.interleave,
+                       sync_ms=round(statistics.median(sync[label]), 4),
                        host_ms=round(statistics.median(host[label]), 4),
                        host_min_ms=round(min(host[label]), 4), overlap_ms=round(statistics.median(back[label]), 4))
             rows.append(row)
@@ -191,11 +223,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--interleave", default=None, help="the old tree's package name: both in one process")
+    parser.add_argument("--flip", default=None, help="interleave with a copy of this tree, these switches set")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.flip:
+        args.interleave = flipped_package(args.flip)
     if args.interleave:
         return interleaved(args)
     lines = []
