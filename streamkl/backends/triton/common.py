@@ -334,11 +334,22 @@ def direct_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps:
         return kernel[grid](*args, **constexprs, **options)
     if entry is None or launch_hooks_active():
         compiled = kernel[grid](*args, **constexprs, **options)
-        names = kernel.arg_names[len(args):]
-        if entry is None and hasattr(compiled, "packed_metadata") and set(names) == set(constexprs):
-            _COMPILED[key] = (compiled, tuple(constexprs[name] for name in names))
+        made = compiled_entry(kernel, compiled, len(args), constexprs) if entry is None else None
+        if made is not None:
+            _COMPILED[key] = made
         return compiled
     return run_compiled(entry, grid, args)
+
+
+def compiled_entry(kernel, compiled, n_args: int, constexprs: dict):
+    """`run_compiled`'s entry for `compiled` (what a launch of `kernel` with `n_args` runtime
+    arguments and these constexprs returned): (compiled, the constexprs' values in parameter
+    order), or None where it cannot be launched that way (the interpreter's launch returns no
+    compiled kernel; a constexpr left to its default)."""
+    names = kernel.arg_names[n_args:]
+    if not hasattr(compiled, "packed_metadata") or set(names) != set(constexprs):
+        return None
+    return compiled, tuple(constexprs[name] for name in names)
 
 
 def run_compiled(entry, grid: tuple, args: tuple):

@@ -22,6 +22,7 @@ from streamkl.backends.triton.common import (
     capability,
     cdiv,
     check_tiles,
+    compiled_entry,
     device_index,
     dim_blocks,
     even_dims,
@@ -401,9 +402,9 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     else:
         compiled = launch(_kl_fwd_kernel, plan.grid, args, plan.config_key, plan.num_warps, plan.num_stages,
                           **plan.constexprs)
-        names = _kl_fwd_kernel.arg_names[len(args):]
-        if hasattr(compiled, "packed_metadata") and set(names) == set(plan.constexprs) and len(plan.compiled) < 8:
-            plan.compiled[call] = (compiled, tuple(plan.constexprs[name] for name in names))
+        made = compiled_entry(_kl_fwd_kernel, compiled, len(args), plan.constexprs)
+        if made is not None and len(plan.compiled) < 8:
+            plan.compiled[call] = made
     if plan.splits > 1:
         combine_splits(problem, parts, kl_rows, lse1, lse2, expect)
         write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # the combine wrote the tail rows too

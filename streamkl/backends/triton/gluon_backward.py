@@ -842,8 +842,9 @@ DQ_SPLIT64 = False
 #: spent: the Gluon simulator passes with it (`gluon_simulate.py --backward [--both] --lag`) and
 #: its sm_90a builds compile, but it has not run or been timed on a GPU: off. To try: the GPU
 #: tests with it on (`test_gluon_student_backward_matches_reference[tma-lag]`,
-#: `test_gluon_both_sides_backward_with_lagged_dq`), then `ab_trees.py --interleave` on
-#: "student D=64", "student D=128 causal", "all D=128 causal" against a copy with it off.
+#: `test_gluon_both_sides_backward_with_lagged_dq`), then `ab_trees.py --flip
+#: backends.triton.gluon_backward.DQ_LAG=True` on "student D=64", "student D=128 causal", "all
+#: D=128 causal".
 DQ_LAG = False
 
 #: The student kernel's two consumer warpgroups take turns to issue their products (two mbarriers,
@@ -856,9 +857,9 @@ DQ_LAG = False
 #: Gluon simulator (`gluon_simulate.py --backward --pingpong`: every case passes; a mutation that
 #: drops the second-to-last step's dq tile fails it), its sm_90a builds compile without spills (180
 #: KB of shared memory at D=64, 213 KB at D=128), but it has not run or been timed on a GPU: off.
-#: To try: `test_gluon_student_backward_matches_reference[tma-pingpong]`, then `ab_trees.py
-#: --interleave` on "student D=64", "student D=64 causal", "student D=128 causal" against a copy
-#: with it off.
+#: To try: `test_gluon_student_backward_matches_reference[tma-pingpong]`, then `ab_trees.py --flip
+#: backends.triton.gluon_backward.PINGPONG=True` on "student D=64", "student D=64 causal",
+#: "student D=128 causal".
 PINGPONG = False
 
 
@@ -1080,7 +1081,7 @@ def _launch(plan: list, args: tuple, lse1) -> None:
     own launcher once the plan has one (every argument's specialization is the plan's: the call's
     tensors are new or checked by `applies` and the plan's key), else `direct_launch`, whose compiled
     kernel the plan then keeps."""
-    from streamkl.backends.triton.common import direct_launch, launch_hooks_active, run_compiled
+    from streamkl.backends.triton.common import compiled_entry, direct_launch, launch_hooks_active, run_compiled
 
     grid, fixed, constexprs, entry = plan
     args = (*args, *(lse1 if t is None else t for t in fixed))
@@ -1088,9 +1089,7 @@ def _launch(plan: list, args: tuple, lse1) -> None:
         run_compiled(entry, grid, args)
         return
     compiled = direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
-    names = _kl_bwd_gluon_kernel.arg_names[len(args):]
-    if hasattr(compiled, "packed_metadata") and set(names) == set(constexprs):
-        plan[3] = (compiled, tuple(constexprs[name] for name in names))
+    plan[3] = compiled_entry(_kl_bwd_gluon_kernel, compiled, len(args), constexprs)
 
 
 def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, expect):

@@ -585,7 +585,7 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule=None):
     block masks or a window, a schedule of 128 x 128 tiles be given). The launch plan is kept with
     the problem (`problem.extra`: the front end hands a call with a validated call's metadata that
     call's Problem, `build_problem`), for its schedule and `OVERLAP`."""
-    from streamkl.backends.triton.common import direct_launch, launch_hooks_active, run_compiled
+    from streamkl.backends.triton.common import compiled_entry, direct_launch, launch_hooks_active, run_compiled
 
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
@@ -600,9 +600,7 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule=None):
         run_compiled(kept[3], grid, args)
     else:
         compiled = direct_launch(_kl_fwd_gluon_kernel, grid, args, constexprs, 4)
-        names = _kl_fwd_gluon_kernel.arg_names[len(args):]
-        if hasattr(compiled, "packed_metadata") and set(names) == set(constexprs):
-            kept[3] = (compiled, tuple(constexprs[name] for name in names))
+        kept[3] = compiled_entry(_kl_fwd_gluon_kernel, compiled, len(args), constexprs)
     return kl_rows, lse1, lse2, expect
 
 
