@@ -972,14 +972,16 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
 
 
 @gpu
-def test_gluon_both_sides_backward_with_lagged_dq(monkeypatch):
+@pytest.mark.parametrize("switch", ["DQ_LAG", "STATS_AHEAD_BOTH"])
+def test_gluon_both_sides_backward_switches(monkeypatch, switch):
     """BOTH with each step's dq1 / dq2 tiles computed at the top of the next step (`DQ_LAG`,
-    fourteenth session, off by default): dense causal and not, a block mask on both sides, two head
-    chunks, against the float64 reference."""
+    fourteenth session, off: first run on the H200 in the fifteenth), with each step's statistics
+    loaded a step ahead (`STATS_AHEAD_BOTH`, fifteenth session): dense causal and not, a block mask
+    on both sides, two head chunks, against the float64 reference."""
     from streamkl import BlockMask
     from streamkl.backends.triton import backward
 
-    calls = _count_both_sides_calls(monkeypatch, DQ_LAG=True)
+    calls = _count_both_sides_calls(monkeypatch, **{switch: True})
     g = torch.Generator(device=DEVICE).manual_seed(3)
     pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.6
     pattern[..., 0] = True
@@ -1032,11 +1034,11 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 128, True, "backward-lag"),
-     (torch.bfloat16, 128, True, "backward-pingpong")],
+     (torch.bfloat16, 128, True, "backward-pingpong"), (torch.bfloat16, 64, True, "backward-ahead")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal", "backward-bf16-D128-causal-lag",
-         "backward-bf16-D128-causal-pingpong"],
+         "backward-bf16-D128-causal-pingpong", "backward-bf16-D64-causal-ahead"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -1054,6 +1056,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_lag=True)"
     elif overlap == "backward-pingpong":  # the consumer warpgroups taking turns (PINGPONG)
         call = f"g.gluon_backward.compile_for_hopper({call}, ping_pong=True)"
+    elif overlap == "backward-ahead":  # each step's statistics loaded a step ahead (STATS_AHEAD)
+        call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
@@ -1080,7 +1084,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed", "backward-lag", "backward-pingpong"):  # dq2 by TMA bulk reductions
+    elif overlap in (None, "backward-listed", "backward-lag", "backward-pingpong", "backward-ahead"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
         if dim == 64 and overlap is None:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
@@ -1292,8 +1296,8 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "lag", "pingpong"],
-                         ids=["atomics", "tma", "tma-split64", "tma-lag", "tma-pingpong"])
+@pytest.mark.parametrize("tma", [False, True, "split64", "lag", "pingpong", "not-ahead"],
+                         ids=["atomics", "tma", "tma-split64", "tma-lag", "tma-pingpong", "tma-not-ahead"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1314,6 +1318,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "DQ_LAG", tma == "lag")
     # the warpgroups taking turns, dq two steps later (PINGPONG, fourteenth session: off, simulated only)
     monkeypatch.setattr(gluon_backward, "PINGPONG", tma == "pingpong")
+    # each step's statistics loaded a step ahead (STATS_AHEAD, fifteenth session: on) or not
+    monkeypatch.setattr(gluon_backward, "STATS_AHEAD", tma != "not-ahead")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))

@@ -58,6 +58,9 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   3.85, so the default at D=64 too; causal steps past the diagonal in a second, unmasked loop
   (`DIAG_LOOPS`; equal for the student, 4 % for BOTH); BOTH (all four gradients) 15.88 / 9.61 ms
   against backward.py's 21.83 / 10.81.
+- fifteenth session: each step's statistics loaded a step ahead again (`STATS_AHEAD`; two rows a
+  thread since the eleventh session, not the ninth's sixteen): D=64 6.00 -> 5.74 ms, causal 3.27 ->
+  2.95. Measured slower and left off: DQ_LAG, PINGPONG (D=64 7.33 ms), STATS_AHEAD_BOTH.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -360,6 +363,34 @@ if GLUON_IMPORT_ERROR is None:
         return p, q, t
 
     @gluon.jit
+    def _step_ahead(j, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
+                    stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
+                    TAIL: gl.constexpr, GQA2: gl.constexpr, BOTH: gl.constexpr, layout: gl.constexpr):
+        """STATS_AHEAD: step j's rows (`_step_rows`) and raw statistics (lse1, lse2, g and with BOTH
+        E), loaded a step before they are used; j == n_tiles (past the last step) loads nothing (the
+        rows clamped to a listed step, the statistics masked: such a row may be past the sequence)."""
+        j_in = gl.maximum(gl.minimum(j, n_tiles - 1), 0)
+        tile_row0, fresh_row0, h_in = _step_rows(j_in, index, first_tile, n_per, len_q, BLOCK_M, LISTED, TAIL,
+                                                 GQA2)
+        o_stat_j = o_stat
+        o_grad_j = o_grad
+        if GQA2:
+            o_stat_j = o_stat + h_in * stride_sh
+            o_grad_j = o_grad + h_in * stride_gh
+        o_r = gl.arange(0, BLOCK_M, layout=layout).to(gl.int64)
+        stats = o_stat_j + (o_stat_j * 0 + tile_row0) * stride_sn + o_r * stride_sn
+        mask = (o_r * 0 + j) < n_tiles
+        lse1 = gl.load(LSE1 + stats, mask=mask, other=0.0)
+        lse2 = gl.load(LSE2 + stats, mask=mask, other=0.0)
+        g = gl.load(GRAD + o_grad_j + (o_grad_j * 0 + tile_row0) * stride_gn + o_r * stride_gn, mask=mask,
+                    other=0.0)
+        if BOTH:
+            e_raw = gl.load(EXPECT + stats, mask=mask, other=0.0)
+        else:
+            e_raw = lse1  # (unused)
+        return tile_row0, fresh_row0, h_in, lse1, lse2, g, e_raw
+
+    @gluon.jit
     def _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn, stride_sh, stride_gh,
                     BLOCK_M: gl.constexpr, GQA2: gl.constexpr, layout: gl.constexpr):
         """A step's rows' statistics (lse1, lse2, g) in `layout`: 64-bit bases from the step's first
@@ -389,7 +420,7 @@ if GLUON_IMPORT_ERROR is None:
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, DQ_LAG: gl.constexpr, turn,
-                      PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr):
+                      PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr, AHEAD: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -437,6 +468,15 @@ if GLUON_IMPORT_ERROR is None:
             n_diag = gl.minimum(gl.maximum((x + BLOCK_M - 1) // BLOCK_M - first_tile, 0), n_tiles)
         else:
             n_diag = n_tiles
+        if AHEAD:  # the first step's rows and statistics (then each step loads the next one's)
+            if BOTH:
+                a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, a_e = _step_ahead(
+                    n_tiles * 0, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
+                    stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
+            else:
+                a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, _ = _step_ahead(
+                    n_tiles * 0, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
+                    stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
         for phase in gl.static_range(2 if DIAG else 1):
             if phase == 0:
                 i_lo = n_diag * 0
@@ -469,19 +509,40 @@ if GLUON_IMPORT_ERROR is None:
                                           is_async=True)
                 if PINGPONG:  # the other warpgroup's turn
                     mbarrier.arrive(turn.index(1 - WG), count=1)
-                tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M,
-                                                         LISTED, TAIL, GQA2)
+                if AHEAD:  # this step's, loaded a step ago; then the next step's (used there)
+                    tile_row0 = a_row0
+                    fresh_row0 = a_fresh
+                    h_in = a_h
+                    lse1 = a_lse1
+                    lse2 = a_lse2
+                    g = a_g
+                    if BOTH:
+                        e_row = a_e
+                        a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, a_e = _step_ahead(
+                            i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat,
+                            o_grad, stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH,
+                            row_layout)
+                    else:
+                        a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, _ = _step_ahead(
+                            i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat,
+                            o_grad, stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH,
+                            row_layout)
+                else:
+                    tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M,
+                                                             LISTED, TAIL, GQA2)
                 o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
-                # the rows' statistics straight into the score layout (two rows a thread from one 64-bit
-                # base; before the ninth session one a thread, spread by three layout conversions)
-                lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn,
-                                            stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
+                if not AHEAD:
+                    # the rows' statistics straight into the score layout (two rows a thread from one 64-bit
+                    # base; before the ninth session one a thread, spread by three layout conversions)
+                    lse1, lse2, g = _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn,
+                                                stride_gn, stride_sh, stride_gh, BLOCK_M, GQA2, row_layout)
                 lse1 = lse1 * 1.4426950408889634
                 lse2 = lse2 * 1.4426950408889634
                 if BOTH:  # minus the row's KL: (lse1 - lse2) - E in natural units (E as backward._row_stats;
                     # lse1, lse2 are in log2 units here)
-                    e_row = gl.load(EXPECT + o_stat + (o_stat * 0 + tile_row0) * stride_sn
-                                    + gl.arange(0, BLOCK_M, layout=row_layout).to(gl.int64) * stride_sn)
+                    if not AHEAD:
+                        e_row = gl.load(EXPECT + o_stat + (o_stat * 0 + tile_row0) * stride_sn
+                                        + gl.arange(0, BLOCK_M, layout=row_layout).to(gl.int64) * stride_sn)
                     e_row = (lse1 - lse2) * 0.6931471805599453 - e_row
                 g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
                 if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
@@ -609,7 +670,8 @@ if GLUON_IMPORT_ERROR is None:
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
-                        DQ_LAG: gl.constexpr, turn, PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr):
+                        DQ_LAG: gl.constexpr, turn, PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr,
+                        AHEAD: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -617,7 +679,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, DQ_LAG,
-                      turn, PINGPONG, DS_BUFS)
+                      turn, PINGPONG, DS_BUFS, AHEAD)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -656,6 +718,7 @@ if GLUON_IMPORT_ERROR is None:
         DQ_COLS: gl.constexpr,  # dq2's columns a consumer warpgroup computes a step (64; D=64 with DQ_SPLIT64: 32)
         DQ_LAG: gl.constexpr,  # DQ_TMA: each step's dq tiles at the top of the next step (`DQ_LAG`)
         PINGPONG: gl.constexpr,  # DQ_TMA, student: the warpgroups take turns to issue their products (`PINGPONG`)
+        AHEAD: gl.constexpr,  # each step's statistics loaded a step earlier (`STATS_AHEAD`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -775,7 +838,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS)),
+                                 DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -783,7 +846,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS)),
+                                   DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -836,15 +899,12 @@ DQ_SPLIT64 = False
 #: Each step's dq tiles computed at the top of the next step (and the last one's after the loop)
 #: instead of at the end of their own (DQ_TMA only). The warpgroups exchange dS halves every step,
 #: and a warpgroup computing step i's dq waited there for the other's half of step i, which keeps
-#: the two in lockstep, their exponentials (MUFU) and products (tensor cores) at the same times; a
-#: step later that half is long stored, and the two may drift apart so that one's exponentials
-#: overlap the other's products. Written in the fourteenth session after the device time was
-#: spent: the Gluon simulator passes with it (`gluon_simulate.py --backward [--both] --lag`) and
-#: its sm_90a builds compile, but it has not run or been timed on a GPU: off. To try: the GPU
-#: tests with it on (`test_gluon_student_backward_matches_reference[tma-lag]`,
-#: `test_gluon_both_sides_backward_with_lagged_dq`), then `ab_trees.py --flip
-#: backends.triton.gluon_backward.DQ_LAG=True` on "student D=64", "student D=128 causal", "all
-#: D=128 causal".
+#: the two in lockstep; a step later that half is long stored, and the two may drift apart so that
+#: one's exponentials overlap the other's products. Written in the fourteenth session (Gluon
+#: simulator: `gluon_simulate.py --backward [--both] --lag`); its GPU tests passed on the H200 in the
+#: fifteenth, and it was slower there (N=16K, H=16, bf16, forward + backward, calls interleaved in
+#: one process, `results/ab_dq_lag_h200.jsonl`): student D=64 10.60 against 9.83 ms, student D=128
+#: causal 7.79 / 7.77, all four D=128 causal 12.51 against 12.00. Off.
 DQ_LAG = False
 
 #: The student kernel's two consumer warpgroups take turns to issue their products (two mbarriers,
@@ -853,14 +913,35 @@ DQ_LAG = False
 #: one's exponentials (MUFU) run while the tensor cores work on the other's products; each step's dq
 #: tiles two steps later (the lagged tile of one step back would wait for the other's exponentials
 #: of that step), from three dS buffers. Student gradients only (not BOTH), dq by TMA reductions;
-#: at D=128 two query stages (shared memory). Written in the fourteenth session with DQ_LAG, on the
-#: Gluon simulator (`gluon_simulate.py --backward --pingpong`: every case passes; a mutation that
-#: drops the second-to-last step's dq tile fails it), its sm_90a builds compile without spills (180
-#: KB of shared memory at D=64, 213 KB at D=128), but it has not run or been timed on a GPU: off.
-#: To try: `test_gluon_student_backward_matches_reference[tma-pingpong]`, then `ab_trees.py --flip
-#: backends.triton.gluon_backward.PINGPONG=True` on "student D=64", "student D=64 causal",
-#: "student D=128 causal".
+#: at D=128 two query stages (shared memory). Written in the fourteenth session (simulator:
+#: `gluon_simulate.py --backward --pingpong`); its GPU tests passed on the H200 in the fifteenth,
+#: where it was slower at D=64 (the backward call alone, interleaved do_bench medians,
+#: `results/ab_stats_ahead_h200.jsonl`): 7.33 against 6.00 ms, causal 3.75 against 3.27; with
+#: STATS_AHEAD 5.71 against 5.74, 3.02 against 2.95; at D=128 within the spread (9.53 / 9.60,
+#: causal 4.91 / 4.96; with STATS_AHEAD 9.48 / 9.41, 4.75 / 5.00, spreads 0.2-1.1 ms). Nsight
+#: Compute puts the D=64 kernel's consumer stalls on the exponentials' MUFU queue (26 %), the
+#: statistics' loads (27 %, before STATS_AHEAD) and the wgmma waits (14 %): the turns add a wait
+#: without freeing the MUFU, which both warpgroups share. Off.
 PINGPONG = False
+
+
+#: Each step's rows and statistics (lse1, lse2, g; with BOTH also E) loaded one step ahead, at the
+#: top of the step before, so that their global loads' latency runs under that step's work rather
+#: than between its score products and its exponentials. Nsight Compute of the D=64 student kernel
+#: without it (fifteenth session, `results/ncu_source_d64_h200.txt`) put 27 % of a consumer
+#: warp's stall samples on long-scoreboard waits, most at the first use of lse1 right after the
+#: score products. With it (H200, N=16K, H=16, bf16, the backward call alone, interleaved do_bench
+#: medians, `results/ab_stats_ahead_h200.jsonl`): D=64 6.00 -> 5.74 ms, causal 3.27 -> 2.95; D=128
+#: 9.60 -> 9.41, causal 4.96 / 5.00 (within its spread); 90 % block sparsity (forward + student
+#: backward) 2.28 -> 2.23. For BOTH (STATS_AHEAD_BOTH: eight more live registers where it has none
+#: spare, spills 130 -> 183 stores causal) slower: 9.10 -> 10.46 causal, 15.11 -> 15.66: off.
+STATS_AHEAD = True
+STATS_AHEAD_BOTH = False
+
+
+def stats_ahead(both: bool) -> bool:
+    """Whether a launch loads its statistics a step ahead (`STATS_AHEAD`)."""
+    return bool(STATS_AHEAD_BOTH) if both else bool(STATS_AHEAD)
 
 
 def pingpong(problem: Problem, both: bool) -> bool:
@@ -948,7 +1029,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
                       DQ_COLS=dq_cols(problem.dim2), DQ_LAG=bool(DQ_LAG) and use_tma,
-                      PINGPONG=pingpong(problem, both))
+                      PINGPONG=pingpong(problem, both), AHEAD=stats_ahead(both))
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
     if both or (constexprs["PINGPONG"] and problem.dim2 > 64):  # two query stages: the second dS^T pair
@@ -1060,7 +1141,8 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     module switches `launch_plan` reads. A plan: [grid, the arguments after `call_args`,
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
-           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, DQ_LAG, PINGPONG)
+           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, DQ_LAG, PINGPONG, STATS_AHEAD,
+           STATS_AHEAD_BOTH)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1139,15 +1221,17 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
-                       dq_lag: bool | None = None, ping_pong: bool | None = None):
+                       dq_lag: bool | None = None, ping_pong: bool | None = None, ahead: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
-    `dq_lag`: each step's dq tiles a step later; `ping_pong`: the warpgroups taking turns; None: as
-    `DQ_TMA` / `DQ_SPLIT64` / `DQ_LAG` / `PINGPONG`)."""
+    `dq_lag`: each step's dq tiles a step later; `ping_pong`: the warpgroups taking turns; `ahead`:
+    the statistics a step ahead; None: as `DQ_TMA` / `DQ_SPLIT64` / `DQ_LAG` / `PINGPONG` /
+    `STATS_AHEAD`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     dq_lag = bool(DQ_LAG) if dq_lag is None else dq_lag
     ping_pong = (bool(PINGPONG) if ping_pong is None else ping_pong) and tma_dq and not both
+    ahead = stats_ahead(both) if ahead is None else ahead
     cols = 32 if dim == 64 and dq_split and tma_dq else 64
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
     descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
@@ -1171,7 +1255,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                       DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(cols), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
-                      DQ_COLS=cols, DQ_LAG=dq_lag and tma_dq, PINGPONG=ping_pong,
+                      DQ_COLS=cols, DQ_LAG=dq_lag and tma_dq, PINGPONG=ping_pong, AHEAD=ahead,
                       ORDERED=listed and bool(HEAVY_FIRST) and not KEY_MAJOR_GRID,
                       DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
     if both or (ping_pong and dim > 64):
