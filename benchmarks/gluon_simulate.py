@@ -15,6 +15,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --atomics    # with dq2 added by atomics (DQ_TMA off);  --backward --both: all four gradients
     ... --backward [--both] --lag    # each step's dq tiles a step later (DQ_LAG)
     ... --backward [--both] --ahead  # each step's statistics loaded a step ahead (STATS_AHEAD)
+    ... --backward --both --diag-last  # causal: the diagonal's steps last (DIAG_LAST)
     ... --backward --pingpong    # the warpgroups taking turns (PINGPONG)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
@@ -468,6 +469,10 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.STATS_AHEAD = gluon_backward.STATS_AHEAD_BOTH = True
+    if "--diag-last" in sys.argv:  # BOTH causal: the unmasked steps first, the diagonal's last (DIAG_LAST)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.DIAG_LAST = True
     if "--both" in sys.argv:  # the kernel with BOTH (all four gradients)
         worst = max(simulate_both(triton_viz, client, *case) for case in
                     ((1, 128, 128, 1, False), (1, 128, 256, 2, True), (2, 256, 256, 2, True, torch.float16, 2),

@@ -972,12 +972,13 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("switch", ["DQ_LAG", "STATS_AHEAD_BOTH"])
+@pytest.mark.parametrize("switch", ["DQ_LAG", "STATS_AHEAD_BOTH", "DIAG_LAST"])
 def test_gluon_both_sides_backward_switches(monkeypatch, switch):
     """BOTH with each step's dq1 / dq2 tiles computed at the top of the next step (`DQ_LAG`,
     fourteenth session, off: first run on the H200 in the fifteenth), with each step's statistics
-    loaded a step ahead (`STATS_AHEAD_BOTH`, fifteenth session): dense causal and not, a block mask
-    on both sides, two head chunks, against the float64 reference."""
+    loaded a step ahead (`STATS_AHEAD_BOTH`, fifteenth session), with causal programs' diagonal
+    steps last (`DIAG_LAST`, fifteenth session; packed causal sequences too): dense causal and not,
+    a block mask on both sides, two head chunks, against the float64 reference."""
     from streamkl import BlockMask
     from streamkl.backends.triton import backward
 
@@ -991,6 +992,14 @@ def test_gluon_both_sides_backward_switches(monkeypatch, switch):
         x = make_inputs((2, 384), (2, 384), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
         check_against_reference(x, "triton", **kwargs)
     assert len(calls) == 3
+    # causal with more keys than queries (offset diagonals), in two chunks; packed causal sequences
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", 2)
+    x = make_inputs((1, 256), (1, 640), 4, (4, 4), (128, 128), torch.float16, DEVICE, (True, True, True, True))
+    check_against_reference(x, "triton", causal=True)
+    cu = torch.tensor([0, 256, 256, 640, 1152], dtype=torch.int32, device=DEVICE)
+    x = make_inputs((1152,), (1152,), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (True, True, True, True))
+    check_against_reference(x, "triton", causal=True, cu_seqlens=cu)
+    assert len(calls) == 5
 
 
 @gpu
@@ -1034,11 +1043,13 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 128, True, "backward-lag"),
-     (torch.bfloat16, 128, True, "backward-pingpong"), (torch.bfloat16, 64, True, "backward-ahead")],
+     (torch.bfloat16, 128, True, "backward-pingpong"), (torch.bfloat16, 64, True, "backward-ahead"),
+     (torch.bfloat16, 128, True, "backward-both-diag-last")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal", "backward-bf16-D128-causal-lag",
-         "backward-bf16-D128-causal-pingpong", "backward-bf16-D64-causal-ahead"],
+         "backward-bf16-D128-causal-pingpong", "backward-bf16-D64-causal-ahead",
+         "backward-both-bf16-D128-causal-diag-last"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -1058,6 +1069,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, ping_pong=True)"
     elif overlap == "backward-ahead":  # each step's statistics loaded a step ahead (STATS_AHEAD)
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
+    elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
+        call = f"g.gluon_backward.compile_for_hopper({call}, both=True, last_diag=True)"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
@@ -1084,7 +1097,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed", "backward-lag", "backward-pingpong", "backward-ahead"):  # dq2 by TMA
+    elif overlap in (None, "backward-listed", "backward-lag", "backward-pingpong", "backward-ahead",
+                     "backward-both-diag-last"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
         if dim == 64 and overlap is None:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)

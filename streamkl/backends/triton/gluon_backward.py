@@ -329,6 +329,12 @@ if GLUON_IMPORT_ERROR is None:
                 _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + row_j, dq_col + h_j * D)
 
     @gluon.jit
+    def _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M: gl.constexpr):
+        """DIAG: how many of a causal program's steps, from its first, meet the diagonal (masked)."""
+        x = gl.maximum(k0 + 2 * 64 - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
+        return gl.minimum(gl.maximum((x + BLOCK_M - 1) // BLOCK_M - first_tile, 0), n_tiles)
+
+    @gluon.jit
     def _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
                    TAIL: gl.constexpr, GQA2: gl.constexpr):
         """Step i's first query row (sequence-local), the first row it owns (TAIL: earlier ones
@@ -420,7 +426,7 @@ if GLUON_IMPORT_ERROR is None:
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, DQ_LAG: gl.constexpr, turn,
-                      PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr, AHEAD: gl.constexpr):
+                      PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -464,8 +470,7 @@ if GLUON_IMPORT_ERROR is None:
         # DIAG (causal, dense whole tiles, no GQA): two loops, the steps on the diagonal (masked) then
         # the rest (no mask: with BOTH the masks' registers made ptxas spill in every step)
         if DIAG:
-            x = gl.maximum(k0 + 2 * HALF - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
-            n_diag = gl.minimum(gl.maximum((x + BLOCK_M - 1) // BLOCK_M - first_tile, 0), n_tiles)
+            n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
         else:
             n_diag = n_tiles
         if AHEAD:  # the first step's rows and statistics (then each step loads the next one's)
@@ -477,14 +482,30 @@ if GLUON_IMPORT_ERROR is None:
                 a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, _ = _step_ahead(
                     n_tiles * 0, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
                     stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
+        # (ROT: the same two loops in the other order, the unmasked steps first: the producer streams
+        # the query tiles from the diagonal's end around to its start; `i` counts the stream, `r`
+        # is the step's query tile, the diagonal's last)
         for phase in gl.static_range(2 if DIAG else 1):
-            if phase == 0:
+            if ROT:
+                if phase == 0:
+                    i_lo = n_diag * 0
+                    i_hi = n_tiles - n_diag
+                    shift = n_diag
+                else:
+                    i_lo = n_tiles - n_diag
+                    i_hi = n_tiles
+                    shift = n_diag - n_tiles
+            elif phase == 0:
                 i_lo = n_diag * 0
                 i_hi = n_diag
             else:
                 i_lo = n_diag
                 i_hi = n_tiles
             for i in range(i_lo, i_hi):
+                if ROT:
+                    r = i + shift
+                else:
+                    r = i
                 slot = i % STAGES
                 if PINGPONG:  # this warpgroup's turn: the other has issued its products of the step before
                     # (warpgroup 1: warpgroup 0's of this step), its dq tile of two steps back read
@@ -528,7 +549,7 @@ if GLUON_IMPORT_ERROR is None:
                             o_grad, stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH,
                             row_layout)
                 else:
-                    tile_row0, fresh_row0, h_in = _step_rows(i, index, first_tile, n_per, len_q, BLOCK_M,
+                    tile_row0, fresh_row0, h_in = _step_rows(r, index, first_tile, n_per, len_q, BLOCK_M,
                                                              LISTED, TAIL, GQA2)
                 o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
                 if not AHEAD:
@@ -550,7 +571,7 @@ if GLUON_IMPORT_ERROR is None:
                     lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
                 st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                 if LISTED:
-                    visit = i // 2
+                    visit = r // 2
                     if visit < n_full_listed:  # (every row of a full pair has keys on both sides)
                         p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH)
                         ds = g[:, None] * (q - p)
@@ -575,7 +596,7 @@ if GLUON_IMPORT_ERROR is None:
                             allowed = allowed & (o_j[None, :] <= (o_i + offset)[:, None])
                         p = gl.where(allowed, p, 0.0)
                         q = gl.where(allowed, q, 0.0)
-                    elif CAUSAL and (phase == 0 or not DIAG):  # DIAG: the steps after the diagonal's need no mask
+                    elif CAUSAL and (phase == (1 if ROT else 0) or not DIAG):  # DIAG: only the diagonal's masked
                         allowed = o_j[None, :] <= (o_i + offset)[:, None]
                         p = gl.where(allowed, p, 0.0)
                         q = gl.where(allowed, q, 0.0)
@@ -671,7 +692,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         DQ_LAG: gl.constexpr, turn, PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr,
-                        AHEAD: gl.constexpr):
+                        AHEAD: gl.constexpr, ROT: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -679,7 +700,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, DQ_LAG,
-                      turn, PINGPONG, DS_BUFS, AHEAD)
+                      turn, PINGPONG, DS_BUFS, AHEAD, ROT)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -719,6 +740,7 @@ if GLUON_IMPORT_ERROR is None:
         DQ_LAG: gl.constexpr,  # DQ_TMA: each step's dq tiles at the top of the next step (`DQ_LAG`)
         PINGPONG: gl.constexpr,  # DQ_TMA, student: the warpgroups take turns to issue their products (`PINGPONG`)
         AHEAD: gl.constexpr,  # each step's statistics loaded a step earlier (`STATS_AHEAD`)
+        ROT: gl.constexpr,  # DIAG: the unmasked steps first, the diagonal's last (`DIAG_LAST`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -829,6 +851,9 @@ if GLUON_IMPORT_ERROR is None:
         q_row = start_q
         k_row = start_k + k0
         dq_col = (head - head_lo) * D  # DQ_TMA: the head's first column in the chunk's accumulator
+        rot = 0
+        if ROT:  # the producer's stream starts past the diagonal's steps
+            rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
         gl.warp_specialize(
             [
                 (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
@@ -838,7 +863,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD)),
+                                 DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD, ROT)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -846,12 +871,12 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD)),
+                                   DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD, ROT)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
                                      STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
-                                     n_per, D, GQA2)),
+                                     n_per, D, GQA2, rot, ROT)),
             ],
             [4, 1],
             [240, 32],  # (the default partition gets the rest, 240; with 232 / 40 BOTH spilled 40 % more)
@@ -861,6 +886,15 @@ if GLUON_IMPORT_ERROR is None:
 #: Causal dense launches (whole tiles, no GQA) run the steps on the diagonal in one loop and the
 #: rest, which need no causal mask, in a second.
 DIAG_LOOPS = True
+
+#: With BOTH and DIAG_LOOPS, the unmasked steps' loop first and the diagonal's second (the producer
+#: streams the query tiles from the diagonal's end around to its start). With the diagonal's loop
+#: first, ptxas spilled 24-28 values (64-bit wgmma descriptors) that the unmasked loop, where a
+#: causal program spends all but two of its steps, reloads every step (sm_90a SASS, fourteenth
+#: session); in this order that loop reloads 4-6 (the diagonal's ~45, twice a program), as the
+#: non-causal build's one loop does 1-5. Fifteenth session: simulated (`gluon_simulate.py
+#: --backward --both --diag-last`).
+DIAG_LAST = False
 
 
 @functools.lru_cache(maxsize=4)
@@ -942,6 +976,13 @@ STATS_AHEAD_BOTH = False
 def stats_ahead(both: bool) -> bool:
     """Whether a launch loads its statistics a step ahead (`STATS_AHEAD`)."""
     return bool(STATS_AHEAD_BOTH) if both else bool(STATS_AHEAD)
+
+
+def diag_last(constexprs: dict, switch: bool | None = None) -> bool:
+    """Whether a launch with these constexprs runs its diagonal's steps last (`DIAG_LAST`, or
+    `switch` if given: BOTH with DIAG; not with the switches that index steps across the two loops)."""
+    return bool(DIAG_LAST if switch is None else switch) and constexprs["BOTH"] and constexprs["DIAG"] and not (
+        constexprs["AHEAD"] or constexprs["DQ_LAG"] or constexprs["PINGPONG"])
 
 
 def pingpong(problem: Problem, both: bool) -> bool:
@@ -1029,9 +1070,10 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
                       DQ_COLS=dq_cols(problem.dim2), DQ_LAG=bool(DQ_LAG) and use_tma,
-                      PINGPONG=pingpong(problem, both), AHEAD=stats_ahead(both))
+                      PINGPONG=pingpong(problem, both), AHEAD=stats_ahead(both), ROT=False)
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
+    constexprs["ROT"] = diag_last(constexprs)
     if both or (constexprs["PINGPONG"] and problem.dim2 > 64):  # two query stages: the second dS^T pair
         constexprs["STAGES"] = 2  # (or PINGPONG's third dS buffer) takes the third's room
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1142,7 +1184,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, DQ_LAG, PINGPONG, STATS_AHEAD,
-           STATS_AHEAD_BOTH)
+           STATS_AHEAD_BOTH, DIAG_LAST)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1221,12 +1263,13 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
-                       dq_lag: bool | None = None, ping_pong: bool | None = None, ahead: bool | None = None):
+                       dq_lag: bool | None = None, ping_pong: bool | None = None, ahead: bool | None = None,
+                       last_diag: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `dq_lag`: each step's dq tiles a step later; `ping_pong`: the warpgroups taking turns; `ahead`:
-    the statistics a step ahead; None: as `DQ_TMA` / `DQ_SPLIT64` / `DQ_LAG` / `PINGPONG` /
-    `STATS_AHEAD`)."""
+    the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; None: as `DQ_TMA` /
+    `DQ_SPLIT64` / `DQ_LAG` / `PINGPONG` / `STATS_AHEAD` / `DIAG_LAST`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     dq_lag = bool(DQ_LAG) if dq_lag is None else dq_lag
@@ -1260,4 +1303,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                       DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
     if both or (ping_pong and dim > 64):
         constexprs["STAGES"] = 2
+    constexprs["ROT"] = False
+    constexprs["ROT"] = diag_last(constexprs, last_diag)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)

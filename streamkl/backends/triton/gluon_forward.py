@@ -170,14 +170,15 @@ if GLUON_IMPORT_ERROR is None:
                           ring1_desc, ring2_desc, ring1_smem, ring2_smem, ready, empty, ring_row, ring1_col,
                           ring2_col, n_tiles, index, BLOCK: gl.constexpr, STAGES: gl.constexpr,
                           INDEXED: gl.constexpr, SUB: gl.constexpr, ring_last, CLAMP: gl.constexpr, n_per, col_step,
-                          CYCLE: gl.constexpr):
+                          CYCLE: gl.constexpr, rot=0, ROTATE: gl.constexpr = False):
         """The producer warp of both Gluon kernels: one tile of each side loaded once (the forward's
         queries, the backward's keys), then n_tiles tiles of each side, BLOCK rows apart from
         ring_row, streamed through the ring of STAGES slots (`ready` when a slot's bytes have
         landed, `empty` when its consumers have read it). INDEXED: tile i is part i % SUB of the
         index[i // SUB]-th tile of SUB * BLOCK rows (a schedule's tile list), else the i-th; CLAMP:
         no tile starts past ring_last rows from ring_row (a last partial tile shifted back); CYCLE:
-        tile i is the (i % n_per)-th of head i // n_per, whose columns are col_step further on."""
+        tile i is the (i % n_per)-th of head i // n_per, whose columns are col_step further on; ROTATE:
+        tile i is the ((i + rot) % n_tiles)-th (the backward's DIAG_LAST: the diagonal's tiles last)."""
         mbarrier.expect(once_bar, once1_desc.block_type.nbytes + once2_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(once1_desc, [once_row, once1_col], once_bar, once1_smem)
         tma.async_copy_global_to_shared(once2_desc, [once_row, once2_col], once_bar, once2_smem)
@@ -192,6 +193,10 @@ if GLUON_IMPORT_ERROR is None:
                 row = ring_row + gl.load(index + i // SUB) * (BLOCK * SUB) + (i % SUB) * BLOCK
             else:
                 t = i
+                if ROTATE:
+                    t = i + rot
+                    if t >= n_tiles:
+                        t = t - n_tiles
                 if CYCLE:  # the group's query heads in turn, each over its n_per tiles
                     h_in = i // n_per
                     t = i - h_in * n_per
