@@ -16,6 +16,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward [--both] --lag    # each step's dq tiles a step later (DQ_LAG)
     ... --backward [--both] --ahead  # each step's statistics loaded a step ahead (STATS_AHEAD)
     ... --backward --both --diag-last  # causal: the diagonal's steps last (DIAG_LAST)
+    ... --backward [--both] --listed-loops  # masks: the full pairs' loop, then the partial's
     ... --backward --pingpong    # the warpgroups taking turns (PINGPONG)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
@@ -469,6 +470,10 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.STATS_AHEAD = gluon_backward.STATS_AHEAD_BOTH = True
+    if "--listed-loops" in sys.argv:  # block masks / windows: full pairs' and partial pairs' loops (LISTED_LOOPS)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.LISTED_LOOPS = True
     if "--diag-last" in sys.argv:  # BOTH causal: the unmasked steps first, the diagonal's last (DIAG_LAST)
         from streamkl.backends.triton import gluon_backward
 

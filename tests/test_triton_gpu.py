@@ -972,17 +972,19 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("switch", ["DQ_LAG", "STATS_AHEAD_BOTH", "DIAG_LAST"])
+@pytest.mark.parametrize("switch", ["DQ_LAG", "STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS"])
 def test_gluon_both_sides_backward_switches(monkeypatch, switch):
     """BOTH with each step's dq1 / dq2 tiles computed at the top of the next step (`DQ_LAG`,
     fourteenth session, off: first run on the H200 in the fifteenth), with each step's statistics
     loaded a step ahead (`STATS_AHEAD_BOTH`, fifteenth session), with causal programs' diagonal
-    steps last (`DIAG_LAST`, fifteenth session; packed causal sequences too): dense causal and not,
+    steps last (`DIAG_LAST`, fifteenth session; packed causal sequences too), with a block mask's
+    full and partial pairs in two loops (`LISTED_LOOPS`, fifteenth session): dense causal and not,
     a block mask on both sides, two head chunks, against the float64 reference."""
     from streamkl import BlockMask
     from streamkl.backends.triton import backward
 
-    calls = _count_both_sides_calls(monkeypatch, **{switch: True})
+    calls = _count_both_sides_calls(monkeypatch, **{switch: True, "DIAG_LAST": switch == "DIAG_LAST",
+                                                    "LISTED_LOOPS": switch == "LISTED_LOOPS"})
     g = torch.Generator(device=DEVICE).manual_seed(3)
     pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.6
     pattern[..., 0] = True
@@ -1044,12 +1046,13 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 128, True, "backward-lag"),
      (torch.bfloat16, 128, True, "backward-pingpong"), (torch.bfloat16, 64, True, "backward-ahead"),
-     (torch.bfloat16, 128, True, "backward-both-diag-last")],
+     (torch.bfloat16, 128, True, "backward-both-diag-last"),
+     (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal", "backward-bf16-D128-causal-lag",
          "backward-bf16-D128-causal-pingpong", "backward-bf16-D64-causal-ahead",
-         "backward-both-bf16-D128-causal-diag-last"],
+         "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
     """The warp-specialized Gluon kernels (the forward's two variants, dense and varlen; the
@@ -1071,6 +1074,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
         call = f"g.gluon_backward.compile_for_hopper({call}, both=True, last_diag=True)"
+    elif overlap == "backward-both-listed-loops":  # BOTH over block masks in two loops (LISTED_LOOPS)
+        call = f"g.gluon_backward.compile_for_hopper({call}, listed=True, both=True, split_listed=True)"
     elif overlap == "backward-listed":  # the student backward over the key schedule's lists
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
@@ -1098,7 +1103,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
     elif overlap in (None, "backward-listed", "backward-lag", "backward-pingpong", "backward-ahead",
-                     "backward-both-diag-last"):  # dq2 by TMA
+                     "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
         if dim == 64 and overlap is None:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
@@ -1310,8 +1315,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "lag", "pingpong", "not-ahead"],
-                         ids=["atomics", "tma", "tma-split64", "tma-lag", "tma-pingpong", "tma-not-ahead"])
+@pytest.mark.parametrize("tma", [False, True, "split64", "lag", "pingpong", "not-ahead", "listed-loops"],
+                         ids=["atomics", "tma", "tma-split64", "tma-lag", "tma-pingpong", "tma-not-ahead",
+                              "tma-listed-loops"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1334,6 +1340,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "PINGPONG", tma == "pingpong")
     # each step's statistics loaded a step ahead (STATS_AHEAD, fifteenth session: on) or not
     monkeypatch.setattr(gluon_backward, "STATS_AHEAD", tma != "not-ahead")
+    # block masks' full and partial pairs in two loops (LISTED_LOOPS, fifteenth session) or one
+    monkeypatch.setattr(gluon_backward, "LISTED_LOOPS", tma == "listed-loops")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))

@@ -399,6 +399,33 @@ if GLUON_IMPORT_ERROR is None:
         return tile_row0, fresh_row0, h_in, lse1, lse2, g, e_raw
 
     @gluon.jit
+    def _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH: gl.constexpr):
+        """LISTED: (dS2, dS1) of a step of a full pair (every row has keys on both sides); dS1 is
+        dS2 without BOTH."""
+        p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH)
+        ds = g[:, None] * (q - p)
+        ds1 = ds
+        if BOTH:
+            ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
+        return ds, ds1
+
+    @gluon.jit
+    def _partial_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, o_i, o_j, flag_ptr, len_q, len_k,
+                      window_left, window_right, BOTH: gl.constexpr):
+        """LISTED: (dS2, dS1) of a step of a partial pair: backward._tile_dscores's masks, transposed."""
+        tile_flags = gl.load(flag_ptr).to(gl.int32)
+        a1, a2 = _listed_allowed(o_i[:, None], o_j[None, :], tile_flags, len_q, len_k, window_left, window_right)
+        p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[:, None])
+        q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[:, None])
+        ds = gl.where(a2, g[:, None] * (q - p), 0.0)  # dS2 kept to side 2's support
+        ds1 = ds
+        if BOTH:  # (side 2 allows every key side 1 does: `applies_both`); selected, as t and E are NaN
+            # on rows without keys (lse +inf, E -inf - -inf)
+            t = (st1 * scale1 - lse1[:, None]) - (st2 * scale2 - lse2[:, None])
+            ds1 = gl.where(a1, g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None]), 0.0)
+        return ds, ds1
+
+    @gluon.jit
     def _step_stats(tile_row0, h_in, LSE1, LSE2, GRAD, o_stat, o_grad, stride_sn, stride_gn, stride_sh, stride_gh,
                     BLOCK_M: gl.constexpr, GQA2: gl.constexpr, layout: gl.constexpr):
         """A step's rows' statistics (lse1, lse2, g) in `layout`: 64-bit bases from the step's first
@@ -428,7 +455,8 @@ if GLUON_IMPORT_ERROR is None:
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, DQ_LAG: gl.constexpr, turn,
-                      PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr):
+                      PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
+                      LSPLIT: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -473,6 +501,8 @@ if GLUON_IMPORT_ERROR is None:
         # the rest (no mask: with BOTH the masks' registers made ptxas spill in every step)
         if DIAG:
             n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
+        elif LSPLIT:  # LISTED_LOOPS: the full pairs' steps (listed first), then the partial pairs'
+            n_diag = gl.minimum(2 * n_full_listed, n_tiles)
         else:
             n_diag = n_tiles
         if AHEAD:  # the first step's rows and statistics (then each step loads the next one's)
@@ -487,7 +517,7 @@ if GLUON_IMPORT_ERROR is None:
         # (ROT: the same two loops in the other order, the unmasked steps first: the producer streams
         # the query tiles from the diagonal's end around to its start; `i` counts the stream, `r`
         # is the step's query tile, the diagonal's last)
-        for phase in gl.static_range(2 if DIAG else 1):
+        for phase in gl.static_range(2 if DIAG or LSPLIT else 1):
             if ROT:
                 if phase == 0:
                     i_lo = n_diag * 0
@@ -574,22 +604,18 @@ if GLUON_IMPORT_ERROR is None:
                 st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                 if LISTED:
                     visit = r // 2
-                    if visit < n_full_listed:  # (every row of a full pair has keys on both sides)
-                        p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH)
-                        ds = g[:, None] * (q - p)
-                        if BOTH:
-                            ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
-                    else:  # a partial pair: backward._tile_dscores's masks, transposed
-                        tile_flags = gl.load(flags_list + visit).to(gl.int32)
-                        a1, a2 = _listed_allowed(o_i[:, None], o_j[None, :], tile_flags, len_q, len_k,
-                                                 window_left, window_right)
-                        p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[:, None])
-                        q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[:, None])
-                        ds = gl.where(a2, g[:, None] * (q - p), 0.0)  # dS2 kept to side 2's support
-                        if BOTH:  # (side 2 allows every key side 1 does: `applies_both`); selected, as
-                            # t and E are NaN on rows without keys (lse +inf, E -inf - -inf)
-                            t = (st1 * scale1 - lse1[:, None]) - (st2 * scale2 - lse2[:, None])
-                            ds1 = gl.where(a1, g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None]), 0.0)
+                    if not BOTH:
+                        e_row = g  # (unused)
+                    if LSPLIT and phase == 0:  # LISTED_LOOPS: the full pairs' loop
+                        ds, ds1 = _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH)
+                    elif LSPLIT:  # the partial pairs' loop
+                        ds, ds1 = _partial_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, o_i, o_j,
+                                                flags_list + visit, len_q, len_k, window_left, window_right, BOTH)
+                    elif visit < n_full_listed:  # (every row of a full pair has keys on both sides)
+                        ds, ds1 = _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH)
+                    else:
+                        ds, ds1 = _partial_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, o_i, o_j,
+                                                flags_list + visit, len_q, len_k, window_left, window_right, BOTH)
                 else:
                     p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH)
                     if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
@@ -694,7 +720,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         DQ_LAG: gl.constexpr, turn, PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr,
-                        AHEAD: gl.constexpr, ROT: gl.constexpr):
+                        AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -702,7 +728,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, DQ_LAG,
-                      turn, PINGPONG, DS_BUFS, AHEAD, ROT)
+                      turn, PINGPONG, DS_BUFS, AHEAD, ROT, LSPLIT)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -743,6 +769,7 @@ if GLUON_IMPORT_ERROR is None:
         PINGPONG: gl.constexpr,  # DQ_TMA, student: the warpgroups take turns to issue their products (`PINGPONG`)
         AHEAD: gl.constexpr,  # each step's statistics loaded a step earlier (`STATS_AHEAD`)
         ROT: gl.constexpr,  # DIAG: the unmasked steps first, the diagonal's last (`DIAG_LAST`)
+        LSPLIT: gl.constexpr,  # LISTED: the full pairs' steps in one loop, the partial pairs' in a second
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -865,7 +892,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD, ROT)),
+                                 DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD, ROT, LSPLIT)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -873,7 +900,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD, ROT)),
+                                   DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD, ROT, LSPLIT)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -902,6 +929,12 @@ DIAG_LOOPS = True
 #: sequences of 4096 tokens 13.56 -> 12.65. On. (The student kernel, spill-free causal or not,
 #: keeps the diagonal first.)
 DIAG_LAST = True
+
+#: Block masks and windows (LISTED): the full pairs' steps, which a key tile's list holds first, in
+#: one loop without masks and the partial pairs' in a second (as DIAG_LOOPS for causal launches),
+#: instead of one loop that branches on each step. Both sides' builds spilled in that one loop
+#: (BOTH: ~150 stores), fifteenth session.
+LISTED_LOOPS = False
 
 
 @functools.lru_cache(maxsize=4)
@@ -990,6 +1023,13 @@ def diag_last(constexprs: dict, switch: bool | None = None) -> bool:
     `switch` if given: BOTH with DIAG; not with the switches that index steps across the two loops)."""
     return bool(DIAG_LAST if switch is None else switch) and constexprs["BOTH"] and constexprs["DIAG"] and not (
         constexprs["AHEAD"] or constexprs["DQ_LAG"] or constexprs["PINGPONG"])
+
+
+def listed_loops(constexprs: dict, switch: bool | None = None) -> bool:
+    """Whether a listed launch runs its full pairs' and partial pairs' steps in two loops
+    (`LISTED_LOOPS`, or `switch` if given; not with the switches that index steps across loops)."""
+    return bool(LISTED_LOOPS if switch is None else switch) and constexprs["LISTED"] and not (
+        constexprs["DQ_LAG"] or constexprs["PINGPONG"])
 
 
 def pingpong(problem: Problem, both: bool) -> bool:
@@ -1081,6 +1121,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
     constexprs["ROT"] = diag_last(constexprs)
+    constexprs["LSPLIT"] = listed_loops(constexprs)
     if both or (constexprs["PINGPONG"] and problem.dim2 > 64):  # two query stages: the second dS^T pair
         constexprs["STAGES"] = 2  # (or PINGPONG's third dS buffer) takes the third's room
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1191,7 +1232,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, DQ_LAG, PINGPONG, STATS_AHEAD,
-           STATS_AHEAD_BOTH, DIAG_LAST)
+           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1271,12 +1312,13 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        dq_lag: bool | None = None, ping_pong: bool | None = None, ahead: bool | None = None,
-                       last_diag: bool | None = None):
+                       last_diag: bool | None = None, split_listed: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `dq_lag`: each step's dq tiles a step later; `ping_pong`: the warpgroups taking turns; `ahead`:
-    the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; None: as `DQ_TMA` /
-    `DQ_SPLIT64` / `DQ_LAG` / `PINGPONG` / `STATS_AHEAD` / `DIAG_LAST`)."""
+    the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`: a
+    loop for the full pairs, one for the partial; None: as `DQ_TMA` / `DQ_SPLIT64` / `DQ_LAG` /
+    `PINGPONG` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     dq_lag = bool(DQ_LAG) if dq_lag is None else dq_lag
@@ -1310,6 +1352,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                       DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
     if both or (ping_pong and dim > 64):
         constexprs["STAGES"] = 2
-    constexprs["ROT"] = False
     constexprs["ROT"] = diag_last(constexprs, last_diag)
+    constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
