@@ -473,7 +473,7 @@ def main():
     if "--listed-loops" in sys.argv:  # block masks / windows: full pairs' and partial pairs' loops (LISTED_LOOPS)
         from streamkl.backends.triton import gluon_backward
 
-        gluon_backward.LISTED_LOOPS = True
+        gluon_backward.LISTED_LOOPS = gluon_backward.LISTED_LOOPS_BOTH = True
     if "--diag-last" in sys.argv:  # BOTH causal: the unmasked steps first, the diagonal's last (DIAG_LAST)
         from streamkl.backends.triton import gluon_backward
 

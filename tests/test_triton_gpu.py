@@ -972,19 +972,19 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("switch", ["DQ_LAG", "STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS"])
+@pytest.mark.parametrize("switch", ["DQ_LAG", "STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS_BOTH"])
 def test_gluon_both_sides_backward_switches(monkeypatch, switch):
     """BOTH with each step's dq1 / dq2 tiles computed at the top of the next step (`DQ_LAG`,
     fourteenth session, off: first run on the H200 in the fifteenth), with each step's statistics
     loaded a step ahead (`STATS_AHEAD_BOTH`, fifteenth session), with causal programs' diagonal
     steps last (`DIAG_LAST`, fifteenth session; packed causal sequences too), with a block mask's
-    full and partial pairs in two loops (`LISTED_LOOPS`, fifteenth session): dense causal and not,
+    full and partial pairs in two loops (`LISTED_LOOPS_BOTH`, fifteenth session): dense causal and not,
     a block mask on both sides, two head chunks, against the float64 reference."""
     from streamkl import BlockMask
     from streamkl.backends.triton import backward
 
     calls = _count_both_sides_calls(monkeypatch, **{switch: True, "DIAG_LAST": switch == "DIAG_LAST",
-                                                    "LISTED_LOOPS": switch == "LISTED_LOOPS"})
+                                                    "LISTED_LOOPS_BOTH": switch == "LISTED_LOOPS_BOTH"})
     g = torch.Generator(device=DEVICE).manual_seed(3)
     pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.6
     pattern[..., 0] = True

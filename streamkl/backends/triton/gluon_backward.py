@@ -932,9 +932,12 @@ DIAG_LAST = True
 
 #: Block masks and windows (LISTED): the full pairs' steps, which a key tile's list holds first, in
 #: one loop without masks and the partial pairs' in a second (as DIAG_LOOPS for causal launches),
-#: instead of one loop that branches on each step. Both sides' builds spilled in that one loop
-#: (BOTH: ~150 stores), fifteenth session.
+#: instead of one loop that branches on each step. In sm_90a SASS the student's D=128 listed build
+#: then has no local memory (one loop: 6 spill stores), BOTH's spills shift (one loop: ~150 spill
+#: stores in all). Fifteenth session: simulated (`gluon_simulate.py --backward [--both]
+#: --listed-loops`); LISTED_LOOPS for the student kernel, LISTED_LOOPS_BOTH for BOTH.
 LISTED_LOOPS = False
+LISTED_LOOPS_BOTH = False
 
 
 @functools.lru_cache(maxsize=4)
@@ -1027,8 +1030,10 @@ def diag_last(constexprs: dict, switch: bool | None = None) -> bool:
 
 def listed_loops(constexprs: dict, switch: bool | None = None) -> bool:
     """Whether a listed launch runs its full pairs' and partial pairs' steps in two loops
-    (`LISTED_LOOPS`, or `switch` if given; not with the switches that index steps across loops)."""
-    return bool(LISTED_LOOPS if switch is None else switch) and constexprs["LISTED"] and not (
+    (`LISTED_LOOPS` / `LISTED_LOOPS_BOTH`, or `switch` if given; not with the switches that index
+    steps across loops)."""
+    default = LISTED_LOOPS_BOTH if constexprs["BOTH"] else LISTED_LOOPS
+    return bool(default if switch is None else switch) and constexprs["LISTED"] and not (
         constexprs["DQ_LAG"] or constexprs["PINGPONG"])
 
 
@@ -1232,7 +1237,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, DQ_LAG, PINGPONG, STATS_AHEAD,
-           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS)
+           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
