@@ -22,7 +22,7 @@ state drifts between processes): PACKAGE is the old tree imported under another 
 otherwise (the copy made here, in a temporary directory, as the package `streamkl_flip`: the device
 machine's copy of the tree has no git history to export an old one from); its rows are "old":
 
-    python benchmarks/ab_trees.py --flip backends.triton.gluon_backward.PINGPONG=True --cases "student D=64"
+    python benchmarks/ab_trees.py --flip backends.triton.gluon_backward.DIAG_LAST=False --cases "all D=128 causal"
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def make_run(lib, inputs, kwargs, grads):
 
 def flipped_package(spec: str) -> str:
     """A copy of this tree's `streamkl`, imported as `streamkl_flip`, with the module switches of
-    `spec` set ("backends.triton.gluon_backward.PINGPONG=True,..."; values Python literals, set on
+    `spec` set ("backends.triton.gluon_backward.DIAG_LAST=False,..."; values Python literals, set on
     the imported modules: the switches are read at call time). Returns the package's name."""
     import ast
     import importlib

@@ -13,11 +13,9 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py        # ~15 s: eight problems
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward    # the student backward (gluon_backward.py)
     ... --backward --atomics    # with dq2 added by atomics (DQ_TMA off);  --backward --both: all four gradients
-    ... --backward [--both] --lag    # each step's dq tiles a step later (DQ_LAG)
     ... --backward [--both] --ahead  # each step's statistics loaded a step ahead (STATS_AHEAD)
     ... --backward --both --diag-last  # causal: the diagonal's steps last (DIAG_LAST)
     ... --backward [--both] --listed-loops  # masks: the full pairs' loop, then the partial's
-    ... --backward --pingpong    # the warpgroups taking turns (PINGPONG)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -458,14 +456,6 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DQ_TMA = False
-    if "--lag" in sys.argv:  # each step's dq tiles at the top of the next step (DQ_LAG)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.DQ_LAG = True
-    if "--pingpong" in sys.argv:  # the warpgroups taking turns, dq two steps later (PINGPONG; student only)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.PINGPONG = True
     if "--ahead" in sys.argv:  # each step's statistics loaded a step ahead (STATS_AHEAD, STATS_AHEAD_BOTH)
         from streamkl.backends.triton import gluon_backward
 

@@ -972,14 +972,13 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("switch", ["DQ_LAG", "STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS_BOTH"])
+@pytest.mark.parametrize("switch", ["STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS_BOTH"])
 def test_gluon_both_sides_backward_switches(monkeypatch, switch):
-    """BOTH with each step's dq1 / dq2 tiles computed at the top of the next step (`DQ_LAG`,
-    fourteenth session, off: first run on the H200 in the fifteenth), with each step's statistics
-    loaded a step ahead (`STATS_AHEAD_BOTH`, fifteenth session), with causal programs' diagonal
-    steps last (`DIAG_LAST`, fifteenth session; packed causal sequences too), with a block mask's
-    full and partial pairs in two loops (`LISTED_LOOPS_BOTH`, fifteenth session): dense causal and not,
-    a block mask on both sides, two head chunks, against the float64 reference."""
+    """BOTH with each step's statistics loaded a step ahead (`STATS_AHEAD_BOTH`), with causal
+    programs' diagonal steps last (`DIAG_LAST`; packed causal sequences too), with a block mask's
+    full and partial pairs in two loops (`LISTED_LOOPS_BOTH`; all three fifteenth session, run on
+    the H200 there): dense causal and not, a block mask on both sides, two head chunks, against the
+    float64 reference."""
     from streamkl import BlockMask
     from streamkl.backends.triton import backward
 
@@ -1044,14 +1043,13 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
-     (torch.float16, 64, True, None), (torch.bfloat16, 128, True, "backward-lag"),
-     (torch.bfloat16, 128, True, "backward-pingpong"), (torch.bfloat16, 64, True, "backward-ahead"),
+     (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
-         "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal", "backward-bf16-D128-causal-lag",
-         "backward-bf16-D128-causal-pingpong", "backward-bf16-D64-causal-ahead",
+         "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
+         "backward-bf16-D64-causal-ahead",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1066,10 +1064,6 @@ def test_gluon_kernels_compile_for_hopper(config):
     call = f"torch.{str(dtype).split('.')[-1]}, {dim}, {causal}"
     if overlap is None:  # the student backward, gluon_backward.py (at D=64: DQ_SPLIT64's variant)
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_split={dim == 64})"
-    elif overlap == "backward-lag":  # each step's dq2 tiles at the top of the next step (DQ_LAG)
-        call = f"g.gluon_backward.compile_for_hopper({call}, dq_lag=True)"
-    elif overlap == "backward-pingpong":  # the consumer warpgroups taking turns (PINGPONG)
-        call = f"g.gluon_backward.compile_for_hopper({call}, ping_pong=True)"
     elif overlap == "backward-ahead":  # each step's statistics loaded a step ahead (STATS_AHEAD)
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
@@ -1102,7 +1096,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed", "backward-lag", "backward-pingpong", "backward-ahead",
+    elif overlap in (None, "backward-listed", "backward-ahead",
                      "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
@@ -1315,8 +1309,8 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "lag", "pingpong", "not-ahead", "listed-loops"],
-                         ids=["atomics", "tma", "tma-split64", "tma-lag", "tma-pingpong", "tma-not-ahead",
+@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-loops"],
+                         ids=["atomics", "tma", "tma-split64", "tma-not-ahead",
                               "tma-listed-loops"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
@@ -1334,10 +1328,6 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "DQ_TMA", bool(tma))
     # D=64: dq2's columns split between the warpgroups every step (DQ_SPLIT64, fourteenth session: off)
     monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma == "split64")
-    # each step's dq tiles at the top of the next step (DQ_LAG, fourteenth session: off, simulated only)
-    monkeypatch.setattr(gluon_backward, "DQ_LAG", tma == "lag")
-    # the warpgroups taking turns, dq two steps later (PINGPONG, fourteenth session: off, simulated only)
-    monkeypatch.setattr(gluon_backward, "PINGPONG", tma == "pingpong")
     # each step's statistics loaded a step ahead (STATS_AHEAD, fifteenth session: on) or not
     monkeypatch.setattr(gluon_backward, "STATS_AHEAD", tma != "not-ahead")
     # block masks' full and partial pairs in two loops (LISTED_LOOPS, fifteenth session) or one

@@ -61,7 +61,7 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
 - fifteenth session: each step's statistics loaded a step ahead again (`STATS_AHEAD`; two rows a
   thread since the eleventh session, not the ninth's sixteen): D=64 6.00 -> 5.74 ms, causal 3.27 ->
   2.95. With BOTH, causal programs' diagonal steps last (`DIAG_LAST`): the unmasked loop's spills
-  gone, all four gradients causal 9.09 -> 8.07 ms. Measured slower and left off: DQ_LAG, PINGPONG
+  gone, all four gradients causal 9.09 -> 8.07 ms. Measured slower and removed: DQ_LAG, PINGPONG
   (D=64 7.33 ms), STATS_AHEAD_BOTH.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
@@ -310,27 +310,6 @@ if GLUON_IMPORT_ERROR is None:
         _tma_reduce_add(dq_desc, [row, col], dq_smem)
 
     @gluon.jit
-    def _lagged_dq(j, ds_smem, ds1_smem, kb2, kb1, zero_q, ds_bar, dq_desc, dq1_desc, dq_smem, out_scale2,
-                   out_scale1, q_row, dq_col, index, first_tile, n_per, len_q, WG: gl.constexpr, D: gl.constexpr,
-                   BLOCK_M: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
-                   BOTH: gl.constexpr, DQ_COLS: gl.constexpr, DS_BUFS: gl.constexpr):
-        """DQ_LAG / PINGPONG: step j's dq2 (and with BOTH dq1) tile, computed at the top of a later
-        step (or after the last) from the dS buffer j % DS_BUFS, once both warpgroups' halves are
-        there: this warpgroup's DQ_COLS columns (D > DQ_COLS), or at D=64 all of them on its parity's
-        steps."""
-        if D > DQ_COLS or j % 2 == WG:
-            row_j, _, h_j = _step_rows(j, index, first_tile, n_per, len_q, BLOCK_M, LISTED, TAIL, GQA2)
-            mbarrier.wait(ds_bar.index(j % DS_BUFS), (j // DS_BUFS) & 1)  # both halves of step j's dS stored
-            dq = hopper.warpgroup_mma(ds_smem.index(j % DS_BUFS), kb2, zero_q, use_acc=False)
-            if D > DQ_COLS:
-                _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + row_j, dq_col + h_j * D + WG * DQ_COLS)
-                if BOTH:
-                    dq1 = hopper.warpgroup_mma(ds1_smem.index(j % DS_BUFS), kb1, zero_q, use_acc=False)
-                    _reduce_dq(dq1_desc, dq_smem, dq1 * out_scale1, q_row + row_j, dq_col + h_j * D + WG * 64)
-            else:
-                _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + row_j, dq_col + h_j * D)
-
-    @gluon.jit
     def _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M: gl.constexpr):
         """DIAG: how many of a causal program's steps, from its first, meet the diagonal (masked)."""
         x = gl.maximum(k0 + 2 * 64 - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
@@ -454,17 +433,13 @@ if GLUON_IMPORT_ERROR is None:
                       WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
-                      DIAG: gl.constexpr, DQ_COLS: gl.constexpr, DQ_LAG: gl.constexpr, turn,
-                      PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
+                      DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
                       LSPLIT: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
         each warpgroup its DQ_COLS columns every tile (D=128: 64; D=64 with DQ_SPLIT64: 32), or at
-        D=64 with DQ_COLS 64 one warpgroup all 64 (turns by tile parity); with DQ_LAG a step later, at
-        the top of the next step (`_lagged_dq`), so that neither warpgroup waits for the other's
-        current step; with PINGPONG two steps later, the warpgroups taking turns (`turn`) to issue
-        their products, each one's exponentials then running under the other's products."""
+        D=64 with DQ_COLS 64 one warpgroup all 64 (turns by tile parity)."""
         HALF: gl.constexpr = 64
         # the score tiles [rows, keys] (S = q k^T: the rows across the wgmma M dimension, each thread
         # two rows' statistics; as S^T = k q^T, before the eleventh session, sixteen rows' a thread)
@@ -539,29 +514,11 @@ if GLUON_IMPORT_ERROR is None:
                 else:
                     r = i
                 slot = i % STAGES
-                if PINGPONG:  # this warpgroup's turn: the other has issued its products of the step before
-                    # (warpgroup 1: warpgroup 0's of this step), its dq tile of two steps back read
-                    if WG == 0:
-                        if i > 0:
-                            mbarrier.wait(turn.index(0), (i - 1) & 1)
-                    else:
-                        mbarrier.wait(turn.index(1), i & 1)
-                    if i > 1:  # two steps back: its dS buffer is free for this step's (three buffers)
-                        _lagged_dq(i - 2, ds_smem, ds1_smem, kb2, kb1, zero_q, ds_bar, dq_desc, dq1_desc, dq_smem,
-                                   out_scale2, out_scale1, q_row, dq_col, index, first_tile, n_per, len_q, WG, D,
-                                   BLOCK_M, LISTED, TAIL, GQA2, BOTH, DQ_COLS, DS_BUFS)
-                elif DQ_LAG:  # the previous step's dq tile (this step's dS buffer is then free to write)
-                    if i > 0:
-                        _lagged_dq(i - 1, ds_smem, ds1_smem, kb2, kb1, zero_q, ds_bar, dq_desc, dq1_desc, dq_smem,
-                                   out_scale2, out_scale1, q_row, dq_col, index, first_tile, n_per, len_q, WG, D,
-                                   BLOCK_M, LISTED, TAIL, GQA2, BOTH, DQ_COLS, DS_BUFS)
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
                 t1 = hopper.warpgroup_mma(q1_smem.index(slot), ka1.permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
                 t2 = hopper.warpgroup_mma(q2_smem.index(slot), ka2.permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
-                if PINGPONG:  # the other warpgroup's turn
-                    mbarrier.arrive(turn.index(1 - WG), count=1)
                 if AHEAD:  # this step's, loaded a step ago; then the next step's (used there)
                     tile_row0 = a_row0
                     fresh_row0 = a_fresh
@@ -636,15 +593,15 @@ if GLUON_IMPORT_ERROR is None:
                 # by side): dk2 += dS2^T q2 reads this warpgroup's half transposed, dq2 = dS2 k2 both.
                 # Buffer i % 2: its previous readers (tile i - 2) are done, since the other
                 # warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
-                ds_all = ds_smem.index(i % DS_BUFS)
+                ds_all = ds_smem.index(i % 2)
                 ds_own = ds_all.slice(WG * HALF, HALF, dim=1)
                 ds_own.store(ds_t)
                 if BOTH:
-                    ds1_all = ds1_smem.index(i % DS_BUFS)
+                    ds1_all = ds1_smem.index(i % 2)
                     ds1_own = ds1_all.slice(WG * HALF, HALF, dim=1)
                     ds1_own.store(ds1.to(ds_smem.dtype))
                 hopper.fence_async_shared()
-                mbarrier.arrive(ds_bar.index(i % DS_BUFS), count=1)
+                mbarrier.arrive(ds_bar.index(i % 2), count=1)
                 # dS^T as a transposed (MN-major) shared operand
                 ds_own = ds_own.permute((1, 0))
                 if BOTH:
@@ -665,9 +622,7 @@ if GLUON_IMPORT_ERROR is None:
                 # as before the ninth session, were 32 values hoisted out of the loop and spilled)
                 p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
                 p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-                if DQ_LAG or PINGPONG:
-                    pass  # (at the top of a later step)
-                elif D > DQ_COLS:
+                if D > DQ_COLS:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:  # this warpgroup's [64, DQ_COLS] piece by one TMA bulk reduction
@@ -686,16 +641,6 @@ if GLUON_IMPORT_ERROR is None:
                         _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
                     else:
                         _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
-        if PINGPONG:  # the last two steps' dq tiles
-            if n_tiles > 1:
-                _lagged_dq(n_tiles - 2, ds_smem, ds1_smem, kb2, kb1, zero_q, ds_bar, dq_desc, dq1_desc, dq_smem,
-                           out_scale2, out_scale1, q_row, dq_col, index, first_tile, n_per, len_q, WG, D, BLOCK_M,
-                           LISTED, TAIL, GQA2, BOTH, DQ_COLS, DS_BUFS)
-        if DQ_LAG or PINGPONG:  # the last step's dq tile
-            if n_tiles > 0:
-                _lagged_dq(n_tiles - 1, ds_smem, ds1_smem, kb2, kb1, zero_q, ds_bar, dq_desc, dq1_desc, dq_smem,
-                           out_scale2, out_scale1, q_row, dq_col, index, first_tile, n_per, len_q, WG, D, BLOCK_M,
-                           LISTED, TAIL, GQA2, BOTH, DQ_COLS, DS_BUFS)
         if DQ_TMA:  # the last reduction has read its shared tile before the program's memory goes
             tma.store_wait(0)
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
@@ -719,7 +664,6 @@ if GLUON_IMPORT_ERROR is None:
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
-                        DQ_LAG: gl.constexpr, turn, PINGPONG: gl.constexpr, DS_BUFS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
@@ -727,8 +671,8 @@ if GLUON_IMPORT_ERROR is None:
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
-                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, DQ_LAG,
-                      turn, PINGPONG, DS_BUFS, AHEAD, ROT, LSPLIT)
+                      1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
+                      ROT, LSPLIT)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -765,8 +709,6 @@ if GLUON_IMPORT_ERROR is None:
         DIAG: gl.constexpr,  # causal, dense whole tiles, no GQA: unmasked steps after the diagonal's (DIAG_LOOPS)
         ORDERED: gl.constexpr,  # LISTED: this program's id read from ORDER (each head's busiest key tiles first)
         DQ_COLS: gl.constexpr,  # dq2's columns a consumer warpgroup computes a step (64; D=64 with DQ_SPLIT64: 32)
-        DQ_LAG: gl.constexpr,  # DQ_TMA: each step's dq tiles at the top of the next step (`DQ_LAG`)
-        PINGPONG: gl.constexpr,  # DQ_TMA, student: the warpgroups take turns to issue their products (`PINGPONG`)
         AHEAD: gl.constexpr,  # each step's statistics loaded a step earlier (`STATS_AHEAD`)
         ROT: gl.constexpr,  # DIAG: the unmasked steps first, the diagonal's last (`DIAG_LAST`)
         LSPLIT: gl.constexpr,  # LISTED: the full pairs' steps in one loop, the partial pairs' in a second
@@ -839,10 +781,9 @@ if GLUON_IMPORT_ERROR is None:
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
         # two buffers
-        DS_BUFS: gl.constexpr = 3 if PINGPONG else 2  # dS buffers (PINGPONG: read two steps later)
-        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [DS_BUFS, BLOCK_M, 128], DS_LAYOUT)
+        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
         if BOTH:
-            ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [DS_BUFS, BLOCK_M, 128], DS_LAYOUT)
+            ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
             both = (ds1_smem, DK1, EXPECT, dq1_desc, out_scale1)
         else:
             both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
@@ -853,20 +794,13 @@ if GLUON_IMPORT_ERROR is None:
         else:
             dq_smem0 = ds_smem
             dq_smem1 = ds_smem
-        ds_bar = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
-        if PINGPONG:  # turn i: warpgroup i may issue its products
-            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        else:
-            turn = ds_bar  # (unused)
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(k_bar, count=1)
-        for s in gl.static_range(DS_BUFS):
+        for s in gl.static_range(2):
             mbarrier.init(ds_bar.index(s), count=2)  # both consumer warpgroups' halves stored
-        if PINGPONG:
-            for s in gl.static_range(2):
-                mbarrier.init(turn.index(s), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
@@ -892,7 +826,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD, ROT, LSPLIT)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -900,7 +834,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, DQ_LAG, turn, PINGPONG, DS_BUFS, AHEAD, ROT, LSPLIT)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -976,33 +910,17 @@ def dq_descriptor(accum: torch.Tensor, cols: int = 64):
 DQ_SPLIT64 = False
 
 
-#: Each step's dq tiles computed at the top of the next step (and the last one's after the loop)
-#: instead of at the end of their own (DQ_TMA only). The warpgroups exchange dS halves every step,
-#: and a warpgroup computing step i's dq waited there for the other's half of step i, which keeps
-#: the two in lockstep; a step later that half is long stored, and the two may drift apart so that
-#: one's exponentials overlap the other's products. Written in the fourteenth session (Gluon
-#: simulator: `gluon_simulate.py --backward [--both] --lag`); its GPU tests passed on the H200 in the
-#: fifteenth, and it was slower there (N=16K, H=16, bf16, forward + backward, calls interleaved in
-#: one process, `results/ab_dq_lag_h200.jsonl`): student D=64 10.60 against 9.83 ms, student D=128
-#: causal 7.79 / 7.77, all four D=128 causal 12.51 against 12.00. Off.
-DQ_LAG = False
-
-#: The student kernel's two consumer warpgroups take turns to issue their products (two mbarriers,
-#: as FlashAttention-3's warpgroup ping-pong): warpgroup 1 issues a step's score products after
-#: warpgroup 0 has issued its own, warpgroup 0 the next step's after warpgroup 1's, so that each
-#: one's exponentials (MUFU) run while the tensor cores work on the other's products; each step's dq
-#: tiles two steps later (the lagged tile of one step back would wait for the other's exponentials
-#: of that step), from three dS buffers. Student gradients only (not BOTH), dq by TMA reductions;
-#: at D=128 two query stages (shared memory). Written in the fourteenth session (simulator:
-#: `gluon_simulate.py --backward --pingpong`); its GPU tests passed on the H200 in the fifteenth,
-#: where it was slower at D=64 (the backward call alone, interleaved do_bench medians,
-#: `results/ab_stats_ahead_h200.jsonl`): 7.33 against 6.00 ms, causal 3.75 against 3.27; with
-#: STATS_AHEAD 5.71 against 5.74, 3.02 against 2.95; at D=128 within the spread (9.53 / 9.60,
-#: causal 4.91 / 4.96; with STATS_AHEAD 9.48 / 9.41, 4.75 / 5.00, spreads 0.2-1.1 ms). Nsight
-#: Compute puts the D=64 kernel's consumer stalls on the exponentials' MUFU queue (26 %), the
-#: statistics' loads (27 %, before STATS_AHEAD) and the wgmma waits (14 %): the turns add a wait
-#: without freeing the MUFU, which both warpgroups share. Off.
-PINGPONG = False
+#: Tried in the fourteenth and fifteenth sessions and removed (commit 390d813 has them): DQ_LAG,
+#: each step's dq tiles computed at the top of the next step, so that a warpgroup no longer waited
+#: for the other's dS half of its current step (student D=64, forward + backward, calls interleaved
+#: in one process: 10.60 against 9.83 ms; all four gradients causal 12.51 against 12.00,
+#: `results/ab_dq_lag_h200.jsonl`); PINGPONG, the student's two consumer warpgroups taking turns to
+#: issue their products (two mbarriers, FlashAttention-3's ping-pong), each step's dq tiles two
+#: steps later from three dS buffers (the backward call alone at D=64: 7.33 against 6.00 ms, causal
+#: 3.75 against 3.27; at D=128 within the spread, `results/ab_stats_ahead_h200.jsonl`). Both
+#: passed their GPU tests. Nsight Compute puts the D=64 kernel's consumer stalls on the
+#: exponentials' MUFU queue (26 %), the statistics' loads (27 %, before STATS_AHEAD) and the wgmma
+#: waits (14 %): the turns add waits without freeing the MUFU, which both warpgroups share.
 
 
 #: Each step's rows and statistics (lse1, lse2, g; with BOTH also E) loaded one step ahead, at the
@@ -1028,21 +946,14 @@ def diag_last(constexprs: dict, switch: bool | None = None) -> bool:
     """Whether a launch with these constexprs runs its diagonal's steps last (`DIAG_LAST`, or
     `switch` if given: BOTH with DIAG; not with the switches that index steps across the two loops)."""
     return bool(DIAG_LAST if switch is None else switch) and constexprs["BOTH"] and constexprs["DIAG"] and not (
-        constexprs["AHEAD"] or constexprs["DQ_LAG"] or constexprs["PINGPONG"])
+        constexprs["AHEAD"])
 
 
 def listed_loops(constexprs: dict, switch: bool | None = None) -> bool:
     """Whether a listed launch runs its full pairs' and partial pairs' steps in two loops
-    (`LISTED_LOOPS` / `LISTED_LOOPS_BOTH`, or `switch` if given; not with the switches that index
-    steps across loops)."""
+    (`LISTED_LOOPS` / `LISTED_LOOPS_BOTH`, or `switch` if given)."""
     default = LISTED_LOOPS_BOTH if constexprs["BOTH"] else LISTED_LOOPS
-    return bool(default if switch is None else switch) and constexprs["LISTED"] and not (
-        constexprs["DQ_LAG"] or constexprs["PINGPONG"])
-
-
-def pingpong(problem: Problem, both: bool) -> bool:
-    """Whether a launch takes turns (`PINGPONG`)."""
-    return bool(PINGPONG) and bool(DQ_TMA) and not both
+    return bool(default if switch is None else switch) and constexprs["LISTED"]
 
 
 def dq_cols(dim: int) -> int:
@@ -1124,14 +1035,13 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
-                      DQ_COLS=dq_cols(problem.dim2), DQ_LAG=bool(DQ_LAG) and use_tma,
-                      PINGPONG=pingpong(problem, both), AHEAD=stats_ahead(both), ROT=False)
+                      DQ_COLS=dq_cols(problem.dim2), AHEAD=stats_ahead(both), ROT=False)
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
     constexprs["ROT"] = diag_last(constexprs)
     constexprs["LSPLIT"] = listed_loops(constexprs)
-    if both or (constexprs["PINGPONG"] and problem.dim2 > 64):  # two query stages: the second dS^T pair
-        constexprs["STAGES"] = 2  # (or PINGPONG's third dS buffer) takes the third's room
+    if both:  # two query stages: the second dS^T pair takes the third's room
+        constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
     constexprs["ORDERED"] = ordered
     return (programs,), fixed, constexprs
@@ -1239,7 +1149,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     module switches `launch_plan` reads. A plan: [grid, the arguments after `call_args`,
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
-           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, DQ_LAG, PINGPONG, STATS_AHEAD,
+           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
@@ -1319,18 +1229,14 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
-                       dq_lag: bool | None = None, ping_pong: bool | None = None, ahead: bool | None = None,
-                       last_diag: bool | None = None, split_listed: bool | None = None):
+                       ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
-    `dq_lag`: each step's dq tiles a step later; `ping_pong`: the warpgroups taking turns; `ahead`:
-    the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`: a
-    loop for the full pairs, one for the partial; None: as `DQ_TMA` / `DQ_SPLIT64` / `DQ_LAG` /
-    `PINGPONG` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS`)."""
+    `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
+    a loop for the full pairs, one for the partial; None: as `DQ_TMA` / `DQ_SPLIT64` /
+    `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
-    dq_lag = bool(DQ_LAG) if dq_lag is None else dq_lag
-    ping_pong = (bool(PINGPONG) if ping_pong is None else ping_pong) and tma_dq and not both
     ahead = stats_ahead(both) if ahead is None else ahead
     cols = 32 if dim == 64 and dq_split and tma_dq else 64
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
@@ -1355,10 +1261,10 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                       DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(cols), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
-                      DQ_COLS=cols, DQ_LAG=dq_lag and tma_dq, PINGPONG=ping_pong, AHEAD=ahead,
+                      DQ_COLS=cols, AHEAD=ahead,
                       ORDERED=listed and bool(HEAVY_FIRST) and not KEY_MAJOR_GRID,
                       DIAG=bool(DIAG_LOOPS) and causal and not (listed or tail or gqa2))
-    if both or (ping_pong and dim > 64):
+    if both:
         constexprs["STAGES"] = 2
     constexprs["ROT"] = diag_last(constexprs, last_diag)
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
