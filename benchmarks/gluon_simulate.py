@@ -16,6 +16,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward [--both] --ahead  # each step's statistics loaded a step ahead (STATS_AHEAD)
     ... --backward --both --diag-last  # causal: the diagonal's steps last (DIAG_LAST)
     ... --backward [--both] --listed-loops  # masks: the full pairs' loop, then the partial's
+    ... --backward --early-p  # side 1's exponentials while side 2's product runs (EARLY_P)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -460,6 +461,10 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.STATS_AHEAD = gluon_backward.STATS_AHEAD_BOTH = True
+    if "--early-p" in sys.argv:  # side 1's exponentials under side 2's product (EARLY_P; student)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.EARLY_P = True
     if "--listed-loops" in sys.argv:  # block masks / windows: full pairs' and partial pairs' loops (LISTED_LOOPS)
         from streamkl.backends.triton import gluon_backward
 

@@ -1044,12 +1044,13 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
+     (torch.bfloat16, 64, False, "backward-early-p"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
-         "backward-bf16-D64-causal-ahead",
+         "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1066,6 +1067,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_split={dim == 64})"
     elif overlap == "backward-ahead":  # each step's statistics loaded a step ahead (STATS_AHEAD)
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
+    elif overlap == "backward-early-p":  # side 1's exponentials under side 2's product (EARLY_P)
+        call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
         call = f"g.gluon_backward.compile_for_hopper({call}, both=True, last_diag=True)"
     elif overlap == "backward-both-listed-loops":  # BOTH over block masks in two loops (LISTED_LOOPS)
@@ -1096,7 +1099,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed", "backward-ahead",
+    elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p",
                      "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
@@ -1309,9 +1312,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-loops"],
-                         ids=["atomics", "tma", "tma-split64", "tma-not-ahead",
-                              "tma-listed-loops"])
+@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p"],
+                         ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
+                              "tma-early-p"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1330,8 +1333,11 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma == "split64")
     # each step's statistics loaded a step ahead (STATS_AHEAD, fifteenth session: on) or not
     monkeypatch.setattr(gluon_backward, "STATS_AHEAD", tma != "not-ahead")
-    # block masks' full and partial pairs in two loops (LISTED_LOOPS, fifteenth session) or one
-    monkeypatch.setattr(gluon_backward, "LISTED_LOOPS", tma == "listed-loops")
+    # block masks' full and partial pairs in two loops (LISTED_LOOPS, fifteenth session: on) or one
+    monkeypatch.setattr(gluon_backward, "LISTED_LOOPS", tma != "listed-one-loop")
+    # side 1's exponentials while side 2's score product runs (EARLY_P, fifteenth session: off, not yet
+    # run on a GPU)
+    monkeypatch.setattr(gluon_backward, "EARLY_P", tma == "early-p")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))

@@ -335,7 +335,7 @@ if GLUON_IMPORT_ERROR is None:
         return tile_row0, fresh_row0, h_in
 
     @gluon.jit
-    def _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH: gl.constexpr):
+    def _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH: gl.constexpr, p_in=None):
         """(p, q, t) of a step's unmasked scores: with BOTH, t = log2(p / q) first, so that p, q and t
         are all that stay live (registers); else t is p (unused)."""
         if BOTH:
@@ -344,7 +344,10 @@ if GLUON_IMPORT_ERROR is None:
             p = gl.exp2(u2 + t)
             q = gl.exp2(u2)
         else:
-            p = gl.exp2(st1 * scale1 - lse1[:, None])
+            if p_in is None:
+                p = gl.exp2(st1 * scale1 - lse1[:, None])
+            else:  # (EARLY_P: computed while side 2's product ran)
+                p = p_in
             q = gl.exp2(st2 * scale2 - lse2[:, None])
             t = p
         return p, q, t
@@ -378,10 +381,10 @@ if GLUON_IMPORT_ERROR is None:
         return tile_row0, fresh_row0, h_in, lse1, lse2, g, e_raw
 
     @gluon.jit
-    def _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH: gl.constexpr):
+    def _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH: gl.constexpr, p_in=None):
         """LISTED: (dS2, dS1) of a step of a full pair (every row has keys on both sides); dS1 is
         dS2 without BOTH."""
-        p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH)
+        p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH, p_in)
         ds = g[:, None] * (q - p)
         ds1 = ds
         if BOTH:
@@ -434,7 +437,7 @@ if GLUON_IMPORT_ERROR is None:
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
-                      LSPLIT: gl.constexpr):
+                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -558,13 +561,20 @@ if GLUON_IMPORT_ERROR is None:
                 if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
                     lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
                     lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-                st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+                if EARLY_P and not BOTH and not TAIL and (not LISTED or (LSPLIT and phase == 0)):
+                    # side 1's exponentials while the tensor cores run side 2's product
+                    st1 = hopper.warpgroup_mma_wait(1, deps=[t1])
+                    p_early = gl.exp2(st1 * scale1 - lse1[:, None])
+                    st2 = hopper.warpgroup_mma_wait(0, deps=[t2])
+                else:
+                    p_early = None
+                    st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                 if LISTED:
                     visit = r // 2
                     if not BOTH:
                         e_row = g  # (unused)
                     if LSPLIT and phase == 0:  # LISTED_LOOPS: the full pairs' loop
-                        ds, ds1 = _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH)
+                        ds, ds1 = _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH, p_early)
                     elif LSPLIT:  # the partial pairs' loop
                         ds, ds1 = _partial_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, o_i, o_j,
                                                 flags_list + visit, len_q, len_k, window_left, window_right, BOTH)
@@ -574,7 +584,7 @@ if GLUON_IMPORT_ERROR is None:
                         ds, ds1 = _partial_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, o_i, o_j,
                                                 flags_list + visit, len_q, len_k, window_left, window_right, BOTH)
                 else:
-                    p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH)
+                    p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH, p_early)
                     if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
                         allowed = (o_j >= k_fresh)[None, :] & (o_i >= fresh_row0)[:, None]
                         if CAUSAL:
@@ -664,7 +674,7 @@ if GLUON_IMPORT_ERROR is None:
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
-                        AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr):
+                        AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -672,7 +682,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT)
+                      ROT, LSPLIT, EARLY_P)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -712,6 +722,7 @@ if GLUON_IMPORT_ERROR is None:
         AHEAD: gl.constexpr,  # each step's statistics loaded a step earlier (`STATS_AHEAD`)
         ROT: gl.constexpr,  # DIAG: the unmasked steps first, the diagonal's last (`DIAG_LAST`)
         LSPLIT: gl.constexpr,  # LISTED: the full pairs' steps in one loop, the partial pairs' in a second
+        EARLY_P: gl.constexpr,  # student: side 1's exponentials while side 2's score product runs (`EARLY_P`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -826,7 +837,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -834,7 +845,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -875,6 +886,19 @@ DIAG_LAST = True
 #: (within noise: LISTED_LOOPS_BOTH stays off).
 LISTED_LOOPS = True
 LISTED_LOOPS_BOTH = False
+
+#: The student kernel waits for side 1's score product alone, computes p = exp2(s1 - lse1) while
+#: the tensor cores still run side 2's, then waits for that (dense steps, a block mask's full
+#: pairs; not TAIL). In the D=64 kernel a consumer warpgroup's products and exponentials follow
+#: one another within a step (Nsight Compute, fifteenth session: 26 % of its stall samples on the
+#: exponentials, 16 % on wgmma waits). Written in the fifteenth session after its device time was
+#: spent: simulated (`gluon_simulate.py --backward --early-p`), not yet run on a GPU: off. In the
+#: sm_90a SASS ptxas keeps only 5 of p's 32 MUFU.EX2 a thread between the two waits (it sinks the
+#: rest past the second, interleaved with q's; passing p through that wait's deps changed nothing),
+#: so the overlap may be small. To try:
+#: `test_gluon_student_backward_matches_reference[tma-early-p]`, then `ab_gluon_bwd.py --dim 64
+#: [--causal] --variants '[{}, {"EARLY_P": true}]'`.
+EARLY_P = False
 
 
 @functools.lru_cache(maxsize=4)
@@ -1040,6 +1064,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
         and group2 == 1
     constexprs["ROT"] = diag_last(constexprs)
     constexprs["LSPLIT"] = listed_loops(constexprs)
+    constexprs["EARLY_P"] = bool(EARLY_P) and not both
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1150,7 +1175,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
-           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH)
+           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1229,12 +1254,14 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
-                       ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None):
+                       ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
+                       early_p: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
-    a loop for the full pairs, one for the partial; None: as `DQ_TMA` / `DQ_SPLIT64` /
-    `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS`)."""
+    a loop for the full pairs, one for the partial; `early_p`: side 1's exponentials under side 2's
+    product; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` /
+    `EARLY_P`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
@@ -1268,4 +1295,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
         constexprs["STAGES"] = 2
     constexprs["ROT"] = diag_last(constexprs, last_diag)
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
+    constexprs["EARLY_P"] = bool(EARLY_P if early_p is None else early_p) and not both
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
