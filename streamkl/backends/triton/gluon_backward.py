@@ -353,6 +353,13 @@ if GLUON_IMPORT_ERROR is None:
         return p, q, t
 
     @gluon.jit
+    def _head_bases(h_in, o_stat, o_grad, stride_sh, stride_gh, GQA2: gl.constexpr):
+        """The statistics' and g's offsets of query head h_in of the group (GQA2), else as given."""
+        if GQA2:
+            return o_stat + h_in * stride_sh, o_grad + h_in * stride_gh
+        return o_stat, o_grad
+
+    @gluon.jit
     def _step_ahead(j, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
                     stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
                     TAIL: gl.constexpr, GQA2: gl.constexpr, BOTH: gl.constexpr, layout: gl.constexpr):
@@ -362,11 +369,7 @@ if GLUON_IMPORT_ERROR is None:
         j_in = gl.maximum(gl.minimum(j, n_tiles - 1), 0)
         tile_row0, fresh_row0, h_in = _step_rows(j_in, index, first_tile, n_per, len_q, BLOCK_M, LISTED, TAIL,
                                                  GQA2)
-        o_stat_j = o_stat
-        o_grad_j = o_grad
-        if GQA2:
-            o_stat_j = o_stat + h_in * stride_sh
-            o_grad_j = o_grad + h_in * stride_gh
+        o_stat_j, o_grad_j = _head_bases(h_in, o_stat, o_grad, stride_sh, stride_gh, GQA2)
         o_r = gl.arange(0, BLOCK_M, layout=layout).to(gl.int64)
         stats = o_stat_j + (o_stat_j * 0 + tile_row0) * stride_sn + o_r * stride_sn
         mask = (o_r * 0 + j) < n_tiles
@@ -413,11 +416,7 @@ if GLUON_IMPORT_ERROR is None:
         """A step's rows' statistics (lse1, lse2, g) in `layout`: 64-bit bases from the step's first
         row, then the rows' offsets (64-bit too, so that with a row stride of 1 their constant parts
         become the loads' immediate offsets rather than a pointer each)."""
-        o_stat_i = o_stat
-        o_grad_i = o_grad
-        if GQA2:
-            o_stat_i = o_stat + h_in * stride_sh
-            o_grad_i = o_grad + h_in * stride_gh
+        o_stat_i, o_grad_i = _head_bases(h_in, o_stat, o_grad, stride_sh, stride_gh, GQA2)
         o_r = gl.arange(0, BLOCK_M, layout=layout).to(gl.int64)
         stats = o_stat_i + (o_stat_i * 0 + tile_row0) * stride_sn
         grads = o_grad_i + (o_grad_i * 0 + tile_row0) * stride_gn
