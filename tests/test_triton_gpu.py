@@ -1044,13 +1044,13 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
-     (torch.bfloat16, 64, False, "backward-early-p"),
+     (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-rows128"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
-         "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p",
+         "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-rows128",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1067,6 +1067,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_split={dim == 64})"
     elif overlap == "backward-ahead":  # each step's statistics loaded a step ahead (STATS_AHEAD)
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
+    elif overlap == "backward-rows128":  # D=64, 128 query rows a step (ROWS_D64)
+        call = f"g.gluon_backward.compile_for_hopper({call}, rows=128)"
     elif overlap == "backward-early-p":  # side 1's exponentials under side 2's product (EARLY_P)
         call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
@@ -1099,7 +1101,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p",
+    elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p", "backward-rows128",
                      "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
@@ -1312,9 +1314,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p"],
+@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "rows128"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p"])
+                              "tma-early-p", "tma-rows128"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1338,6 +1340,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # side 1's exponentials while side 2's score product runs (EARLY_P, fifteenth session: off, not yet
     # run on a GPU)
     monkeypatch.setattr(gluon_backward, "EARLY_P", tma == "early-p")
+    # D=64: 128 query rows a step (ROWS_D64, fifteenth session: 64, not yet run on a GPU)
+    monkeypatch.setattr(gluon_backward, "ROWS_D64", 128 if tma == "rows128" else 64)
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
@@ -1345,6 +1349,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     cases = [(128, False, 256, 384, (2, 4), bf16), (128, True, 384, 384, (4, 4), bf16),
              (64, True, 192, 256, (1, 4), bf16), (64, False, 256, 384, (2, 4), fp16),
              (128, True, 256, 256, (2, 4), fp16), (128, True, 640, 1024, (4, 4), bf16)]
+    if tma == "rows128":  # (D=64 with whole 128-row steps: causal, more keys than queries, side-1 GQA)
+        cases += [(64, True, 256, 384, (4, 4), bf16), (64, True, 512, 512, (2, 4), fp16)]
     for d, causal, n_q, n_k, heads_k, dtype in cases:
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), dtype, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
