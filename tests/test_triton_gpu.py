@@ -1529,3 +1529,37 @@ def test_gluon_backward_kept_plans_match_launch_args(masked, monkeypatch):
         is plans  # (the problem's schedule is cached: the same object)
     monkeypatch.setattr(gluon_backward, "HEAVY_FIRST", False)
     assert gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2) is not plans
+
+
+def test_gluon_backward_step_rows_scope(monkeypatch):
+    """`ROWS_D64 = 128` (128 query rows a step at head dim 64) applies to dense whole-tile
+    student problems at D=64 only, and its launch takes 128-row query boxes, two ring slots and a
+    [128, 128] dS layout (host code only; no launch)."""
+    from streamkl.backends.triton import gluon_backward
+    from streamkl.problem import build_problem
+
+    g = torch.Generator().manual_seed(17)
+
+    def problem(n_q, n_k, dim, heads_k2=4, **kwargs):
+        x = [torch.randn(1, n, h, dim, generator=g).to(torch.bfloat16)
+             for n, h in ((n_q, 4), (n_k, 4), (n_q, 4), (n_k, heads_k2))]
+        return x, build_problem(*x, **kwargs)
+
+    x, dense = problem(256, 384, 64, causal=True)
+    assert gluon_backward.step_rows(dense, False) == 64  # (the default)
+    monkeypatch.setattr(gluon_backward, "ROWS_D64", 128)
+    assert gluon_backward.step_rows(dense, False) == 128
+    assert gluon_backward.step_rows(dense, True) == 64  # BOTH keeps 64
+    assert gluon_backward.step_rows(problem(256, 384, 128)[1], False) == 64  # D=128
+    assert gluon_backward.step_rows(problem(192, 384, 64)[1], False) == 64  # 192 rows: not whole 128s
+    assert gluon_backward.step_rows(problem(256, 300, 64)[1], False) == 64  # tails
+    assert gluon_backward.step_rows(problem(256, 384, 64, heads_k2=2)[1], False) == 64  # side-2 GQA
+    pattern = torch.ones(1, 4, 2, 3, dtype=torch.bool)
+    assert gluon_backward.step_rows(problem(256, 384, 64, mask2=BlockMask.from_dense(pattern, 128))[1],
+                                    False) == 64  # block masks
+    lse, rows = torch.zeros(1, 4, 256), torch.zeros(1, 4, 256).transpose(-1, -2)
+    accum, dk = torch.zeros(1, 256, 4, 64), torch.zeros_like(x[3])
+    _, args, constexprs = gluon_backward.launch_args(dense, *x, lse, lse, rows, accum, dk)
+    assert (constexprs["BLOCK_M"], constexprs["STAGES"]) == (128, 2)
+    assert constexprs["DS_LAYOUT"] == gluon_backward.ds_shared_layout(torch.bfloat16, 128)
+    assert [list(d.block_shape) for d in args[:4]] == [[128, 64], [128, 64], [128, 64], [128, 64]]
