@@ -505,14 +505,11 @@ if GLUON_IMPORT_ERROR is None:
         else:
             n_diag = n_tiles
         if AHEAD:  # the first step's rows and statistics (then each step loads the next one's)
-            if BOTH:
-                a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, a_e = _step_ahead(
-                    n_tiles * 0, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
-                    stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
-            else:
-                a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, _ = _step_ahead(
-                    n_tiles * 0, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
-                    stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
+            a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
+                n_tiles * 0, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
+                stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
+            if BOTH:  # (E is carried from step to step with BOTH only)
+                a_e = e_next
         # (ROT: the same two loops in the other order, the unmasked steps first: the producer streams
         # the query tiles from the diagonal's end around to its start; `i` counts the stream, `r`
         # is the step's query tile, the diagonal's last)
@@ -552,15 +549,11 @@ if GLUON_IMPORT_ERROR is None:
                     g = a_g
                     if BOTH:
                         e_row = a_e
-                        a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, a_e = _step_ahead(
-                            i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat,
-                            o_grad, stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH,
-                            row_layout)
-                    else:
-                        a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, _ = _step_ahead(
-                            i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat,
-                            o_grad, stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH,
-                            row_layout)
+                    a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
+                        i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
+                        stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
+                    if BOTH:
+                        a_e = e_next
                 else:
                     tile_row0, fresh_row0, h_in = _step_rows(r, index, first_tile, n_per, len_q, BLOCK_M,
                                                              LISTED, TAIL, GQA2)
@@ -1030,7 +1023,7 @@ def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, bot
     """The launch's leading arguments, those each call's tensors make: the inputs' descriptors
     (queries in boxes of a step's `rows`), the statistics, g, the accumulators and gradients (and
     their descriptors), g's scale."""
-    descs = [flat_descriptor(t, rows) for t, rows in ((q1, rows), (k1, BLOCK_N), (q2, rows), (k2, BLOCK_N))]
+    descs = [flat_descriptor(t, box) for t, box in ((q1, rows), (k1, BLOCK_N), (q2, rows), (k2, BLOCK_N))]
     return (
         *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2, dq_cols(dq2.shape[-1])) if DQ_TMA else descs[0],
         *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
@@ -1090,7 +1083,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
-                      DQ_COLS=dq_cols(problem.dim2), AHEAD=stats_ahead(both), ROT=False)
+                      DQ_COLS=dq_cols(problem.dim2), AHEAD=stats_ahead(both))
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
         and group2 == 1
     constexprs["ROT"] = diag_last(constexprs)
