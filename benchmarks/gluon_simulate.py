@@ -16,8 +16,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward [--both] --ahead  # each step's statistics loaded a step ahead (STATS_AHEAD)
     ... --backward --both --diag-last  # causal: the diagonal's steps last (DIAG_LAST)
     ... --backward [--both] --listed-loops  # masks: the full pairs' loop, then the partial's
-    ... --backward --early-p  # side 1's exponentials while side 2's product runs (EARLY_P)
-    ... --backward --rows128  # D=64: 128 query rows a step (ROWS_D64)
+    ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -462,18 +461,11 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.STATS_AHEAD = gluon_backward.STATS_AHEAD_BOTH = True
-    if "--rows128" in sys.argv:  # D=64: 128-row steps (ROWS_D64), with cases that take them
+    if "--early-p" in sys.argv:  # side 1's exponentials under side 2's product (EARLY_P, on at D=64 without
+        # causality or lists; here every student launch)
         from streamkl.backends.triton import gluon_backward
 
-        gluon_backward.ROWS_D64 = 128
-        backward_cases = [(1, 128, 128, 1, 1, 64, True), (1, 256, 384, 2, 1, 64, False),
-                          (2, 256, 256, 2, 2, 64, True), (1, 128, 384, 2, 1, 64, True),
-                          (1, 256, 256, 4, 2, 64, True, torch.float16, None, (-1, -1), 2),
-                          (1, 384, 384, 2, 1, 64, True)] + backward_cases
-    if "--early-p" in sys.argv:  # side 1's exponentials under side 2's product (EARLY_P; student)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.EARLY_P = True
+        gluon_backward.EARLY_P_EVERYWHERE = True
     if "--listed-loops" in sys.argv:  # block masks / windows: full pairs' and partial pairs' loops (LISTED_LOOPS)
         from streamkl.backends.triton import gluon_backward
 

@@ -1044,13 +1044,13 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
-     (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-rows128"),
+     (torch.bfloat16, 64, False, "backward-early-p"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
-         "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-rows128",
+         "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1067,8 +1067,6 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_split={dim == 64})"
     elif overlap == "backward-ahead":  # each step's statistics loaded a step ahead (STATS_AHEAD)
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
-    elif overlap == "backward-rows128":  # D=64, 128 query rows a step (ROWS_D64)
-        call = f"g.gluon_backward.compile_for_hopper({call}, rows=128)"
     elif overlap == "backward-early-p":  # side 1's exponentials under side 2's product (EARLY_P)
         call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
@@ -1101,7 +1099,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p", "backward-rows128",
+    elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p",
                      "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
@@ -1314,9 +1312,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "rows128"],
+@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-rows128"])
+                              "tma-early-p"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1337,11 +1335,10 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "STATS_AHEAD", tma != "not-ahead")
     # block masks' full and partial pairs in two loops (LISTED_LOOPS, fifteenth session: on) or one
     monkeypatch.setattr(gluon_backward, "LISTED_LOOPS", tma != "listed-one-loop")
-    # side 1's exponentials while side 2's score product runs (EARLY_P, fifteenth session: off, not yet
-    # run on a GPU)
-    monkeypatch.setattr(gluon_backward, "EARLY_P", tma == "early-p")
-    # D=64: 128 query rows a step (ROWS_D64, fifteenth session: 64, not yet run on a GPU)
-    monkeypatch.setattr(gluon_backward, "ROWS_D64", 128 if tma == "rows128" else 64)
+    # side 1's exponentials while side 2's score product runs (EARLY_P, sixteenth session: on at D=64
+    # without causality or lists, so the default runs it on the fp16 D=64 case below; here
+    # everywhere the kernel has it: causal, listed full pairs, D=128)
+    monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", tma == "early-p")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
@@ -1349,8 +1346,6 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     cases = [(128, False, 256, 384, (2, 4), bf16), (128, True, 384, 384, (4, 4), bf16),
              (64, True, 192, 256, (1, 4), bf16), (64, False, 256, 384, (2, 4), fp16),
              (128, True, 256, 256, (2, 4), fp16), (128, True, 640, 1024, (4, 4), bf16)]
-    if tma == "rows128":  # (D=64 with whole 128-row steps: causal, more keys than queries, side-1 GQA)
-        cases += [(64, True, 256, 384, (4, 4), bf16), (64, True, 512, 512, (2, 4), fp16)]
     for d, causal, n_q, n_k, heads_k, dtype in cases:
         x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), dtype, DEVICE, (False, False, True, True))
         check_against_reference(x, "triton", causal=causal)
@@ -1531,35 +1526,31 @@ def test_gluon_backward_kept_plans_match_launch_args(masked, monkeypatch):
     assert gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2) is not plans
 
 
-def test_gluon_backward_step_rows_scope(monkeypatch):
-    """`ROWS_D64 = 128` (128 query rows a step at head dim 64) applies to dense whole-tile
-    student problems at D=64 only, and its launch takes 128-row query boxes, two ring slots and a
-    [128, 128] dS layout (host code only; no launch)."""
+def test_gluon_backward_early_p_scope(monkeypatch):
+    """`EARLY_P` (side 1's exponentials while side 2's product runs; on since the sixteenth session,
+    measured faster there only) reaches the student launch at head dim 64 without causality or a
+    block mask, not causal ones, D=128 or BOTH; `EARLY_P_EVERYWHERE` every student launch; off,
+    none (host code only; no launch)."""
     from streamkl.backends.triton import gluon_backward
     from streamkl.problem import build_problem
+    from streamkl.sparse.schedule import get_schedule
 
     g = torch.Generator().manual_seed(17)
 
-    def problem(n_q, n_k, dim, heads_k2=4, **kwargs):
-        x = [torch.randn(1, n, h, dim, generator=g).to(torch.bfloat16)
-             for n, h in ((n_q, 4), (n_k, 4), (n_q, 4), (n_k, heads_k2))]
-        return x, build_problem(*x, **kwargs)
+    def early(dim, both=False, **kwargs):
+        x = [torch.randn(1, n, 4, dim, generator=g).to(torch.bfloat16) for n in (256, 384, 256, 384)]
+        problem = build_problem(*x, **kwargs)
+        lse, rows = torch.zeros(1, 4, 256), torch.zeros(1, 4, 256).transpose(-1, -2)
+        accum, dk = torch.zeros(1, 256, 4, dim), torch.zeros_like(x[3])
+        extra = (torch.zeros_like(x[1]), lse, torch.zeros_like(accum)) if both else None
+        schedule = get_schedule(problem, 128, 128) if "mask2" in kwargs else None
+        return gluon_backward.launch_args(problem, *x, lse, lse, rows, accum, dk, schedule, both=extra)[2]["EARLY_P"]
 
-    x, dense = problem(256, 384, 64, causal=True)
-    assert gluon_backward.step_rows(dense, False) == 64  # (the default)
-    monkeypatch.setattr(gluon_backward, "ROWS_D64", 128)
-    assert gluon_backward.step_rows(dense, False) == 128
-    assert gluon_backward.step_rows(dense, True) == 64  # BOTH keeps 64
-    assert gluon_backward.step_rows(problem(256, 384, 128)[1], False) == 64  # D=128
-    assert gluon_backward.step_rows(problem(192, 384, 64)[1], False) == 64  # 192 rows: not whole 128s
-    assert gluon_backward.step_rows(problem(256, 300, 64)[1], False) == 64  # tails
-    assert gluon_backward.step_rows(problem(256, 384, 64, heads_k2=2)[1], False) == 64  # side-2 GQA
     pattern = torch.ones(1, 4, 2, 3, dtype=torch.bool)
-    assert gluon_backward.step_rows(problem(256, 384, 64, mask2=BlockMask.from_dense(pattern, 128))[1],
-                                    False) == 64  # block masks
-    lse, rows = torch.zeros(1, 4, 256), torch.zeros(1, 4, 256).transpose(-1, -2)
-    accum, dk = torch.zeros(1, 256, 4, 64), torch.zeros_like(x[3])
-    _, args, constexprs = gluon_backward.launch_args(dense, *x, lse, lse, rows, accum, dk)
-    assert (constexprs["BLOCK_M"], constexprs["STAGES"]) == (128, 2)
-    assert constexprs["DS_LAYOUT"] == gluon_backward.ds_shared_layout(torch.bfloat16, 128)
-    assert [list(d.block_shape) for d in args[:4]] == [[128, 64], [128, 64], [128, 64], [128, 64]]
+    mask = dict(mask2=streamkl.BlockMask.from_dense(pattern, 128))
+    assert early(64) and not early(64, causal=True) and not early(128) and not early(64, **mask)
+    assert not early(64, both=True)
+    monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", True)
+    assert early(64, causal=True) and early(128) and early(64, **mask) and not early(64, both=True)
+    monkeypatch.setattr(gluon_backward, "EARLY_P", False)
+    assert not early(64) and not early(128, causal=True)

@@ -127,31 +127,9 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
-def stages(dim: int, rows: int = BLOCK_M) -> int:
-    """Ring slots of both sides' query tiles (D=128: 2 x 32 KB each next to 64 KB of keys; D=64
-    with 128-row steps, `ROWS_D64`: 2 x 32 KB next to 32 KB of keys and 64 KB of dS)."""
-    if rows > BLOCK_M:
-        return 2
+def stages(dim: int) -> int:
+    """Ring slots of both sides' query tiles (D=128: 2 x 32 KB each next to 64 KB of keys)."""
     return 3 if dim > 64 else 4
-
-
-#: Query rows a step of the student kernel at head dim 64 (dense whole tiles, no GQA, not packed):
-#: 64, or 128 (FlashAttention-3's backward takes 128-row tiles at head dim 64), which halves the
-#: steps and so each step's fixed costs (barrier waits, the fence, the statistics' loads, the
-#: wgmma waits) for the same products and exponentials; each consumer warpgroup then adds the dq
-#: rows of its half of the step every step (no turns by parity). Fifteenth session, after its
-#: device time was spent: simulated (`gluon_simulate.py --backward --rows128`), not yet run on a
-#: GPU: 64. To try: `test_gluon_student_backward_matches_reference[tma-rows128]`, then
-#: `ab_gluon_bwd.py --dim 64 [--causal] --variants '[{}, {"ROWS_D64": 128}]'`.
-ROWS_D64 = 64
-
-
-def step_rows(problem: Problem, both: bool) -> int:
-    """Query rows a step of this launch (`ROWS_D64`)."""
-    if ROWS_D64 == 128 and not both and problem.dim2 == 64 and not problem.is_varlen and not listed(problem) \
-            and tile_fit(problem) == "whole" and problem.seqlen_q % 128 == 0 and problem.heads_k2 == problem.heads:
-        return 128
-    return BLOCK_M
 
 
 def chosen(problem: Problem, q1, k1, q2, k2, needs, deterministic: bool) -> bool:
@@ -476,11 +454,11 @@ if GLUON_IMPORT_ERROR is None:
         o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
         ka1 = k1_smem.slice(WG * HALF, HALF)
         ka2 = k2_smem.slice(WG * HALF, HALF)
-        gl.static_assert(BLOCK_M == HALF or (BLOCK_M == 2 * HALF and D == HALF and DQ_COLS == HALF))
+        gl.static_assert(BLOCK_M == HALF)  # (the layout above: both dims of a score tile 64)
         zero_s = gl.zeros([BLOCK_M, HALF], gl.float32, s_layout)
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_COLS, 16])  # [rows, DQ_COLS of D]
-        zero_q = gl.zeros([HALF, DQ_COLS], gl.float32, q_layout)  # (a warpgroup's dq piece: 64 rows)
+        zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, q_layout)
         if D > DQ_COLS:  # this warpgroup's DQ_COLS columns of dq2, k2[:, cols], every tile
             kb2 = k2_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1)
         else:  # D = 64: all of dq2's columns, every other tile (turns by parity)
@@ -492,7 +470,7 @@ if GLUON_IMPORT_ERROR is None:
             kb1 = k1_smem.slice(WG * 64, 64, dim=1)
         else:
             kb1 = kb2  # (unused)
-        o_qd = gl.arange(0, HALF, layout=gl.SliceLayout(1, q_layout))
+        o_qd = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
         o_dq_col = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, q_layout)).to(gl.int64)
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
         mbarrier.wait(k_bar, 0)
@@ -646,15 +624,7 @@ if GLUON_IMPORT_ERROR is None:
                 # as before the ninth session, were 32 values hoisted out of the loop and spilled)
                 p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
                 p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-                if BLOCK_M > HALF:  # 128-row steps (D=64): this warpgroup's 64 rows of the dq tile, every step
-                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                    dq = hopper.warpgroup_mma(ds_all.slice(WG * HALF, HALF), kb2, zero_q, use_acc=False)
-                    if DQ_TMA:
-                        _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0 + WG * HALF,
-                                   dq_col + h_in * D)
-                    else:
-                        _add_dq(p_rows + (WG * HALF * stride_dqn + o_dq_col)[None, :], dq * out_scale2, VEC)
-                elif D > DQ_COLS:
+                if D > DQ_COLS:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:  # this warpgroup's [64, DQ_COLS] piece by one TMA bulk reduction
@@ -821,7 +791,7 @@ if GLUON_IMPORT_ERROR is None:
         else:
             both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
         if DQ_TMA:  # each consumer warpgroup's float32 dq2 tile on its way to the TMA unit
-            dq_all = gl.allocate_shared_memory(gl.float32, [2, 64, DQ_COLS], DQ_LAYOUT)
+            dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], DQ_LAYOUT)
             dq_smem0 = dq_all.index(0)
             dq_smem1 = dq_all.index(1)
         else:
@@ -910,24 +880,39 @@ LISTED_LOOPS = True
 LISTED_LOOPS_BOTH = False
 
 #: The student kernel waits for side 1's score product alone, computes p = exp2(s1 - lse1) while
-#: the tensor cores still run side 2's, then waits for that (dense steps, a block mask's full
-#: pairs; not TAIL). In the D=64 kernel a consumer warpgroup's products and exponentials follow
-#: one another within a step (Nsight Compute, fifteenth session: 26 % of its stall samples on the
-#: exponentials, 16 % on wgmma waits). Written in the fifteenth session after its device time was
-#: spent: simulated (`gluon_simulate.py --backward --early-p`), not yet run on a GPU: off. In the
+#: the tensor cores still run side 2's, then waits for that. In the D=64 kernel a consumer
+#: warpgroup's products and exponentials follow one another within a step (Nsight Compute,
+#: fifteenth session: 26 % of its stall samples on the exponentials, 16 % on wgmma waits); in the
 #: sm_90a SASS ptxas keeps only 5 of p's 32 MUFU.EX2 a thread between the two waits (it sinks the
-#: rest past the second, interleaved with q's; passing p through that wait's deps changed nothing),
-#: so the overlap may be small. To try:
-#: `test_gluon_student_backward_matches_reference[tma-early-p]`, then `ab_gluon_bwd.py --dim 64
-#: [--causal] --variants '[{}, {"EARLY_P": true}]'`.
-EARLY_P = False
+#: rest past the second, interleaved with q's). Written in the fifteenth session (simulated:
+#: `gluon_simulate.py --backward --early-p`), run on the H200 in the sixteenth (its GPU test
+#: passed; N=16K, H=16, bf16, the backward call alone, interleaved do_bench medians,
+#: `results/ab_early_p_h200.jsonl`): D=64 5.80 -> 5.64 ms (5.75 -> 5.59 in a second run), causal
+#: 2.96 -> 2.99 (2.97 -> 2.99 in the second: slower), D=128 9.60 / 9.67 and causal 5.03 / 4.94
+#: (within the rounds' spread); forward + backward in one process (`ab_early_p_trees_h200.jsonl`):
+#: D=64 9.74 -> 9.58, 90 % block sparsity 2.14 -> 2.21 (host-bound, within its noise). On where it
+#: won: the student kernel at D=64 without a causal mask or a block mask / window (`early_p_on`);
+#: `EARLY_P_EVERYWHERE` (tests) takes it to every student launch but TAIL ones (dense steps, a
+#: block mask's full pairs).
+EARLY_P = True
+EARLY_P_EVERYWHERE = False
 
 
-@functools.lru_cache(maxsize=8)
-def ds_shared_layout(dtype: torch.dtype, rows: int = BLOCK_M):
-    """The shared layout of a step's dS tile, [rows, 128 keys] (cached, as every layout built on
-    the host a call: `get_default_for` is a constexpr function, ~10 us a call on the H200's host)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_N], gl_dtype(dtype))
+def early_p_on(constexprs: dict, switch: bool | None = None) -> bool:
+    """Whether a launch with these constexprs waits for side 1's product alone (`EARLY_P`, or
+    `switch` if given): the student kernel at D=64, not causal, not listed; with
+    `EARLY_P_EVERYWHERE` every student launch."""
+    on = bool(EARLY_P if switch is None else switch) and not constexprs["BOTH"]
+    if EARLY_P_EVERYWHERE:
+        return on
+    return on and constexprs["D"] == 64 and not constexprs["CAUSAL"] and not constexprs["LISTED"]
+
+
+@functools.lru_cache(maxsize=4)
+def ds_shared_layout(dtype: torch.dtype):
+    """The shared layout of a step's dS tile, [64 rows, 128 keys] (cached, as every layout built
+    on the host a call: `get_default_for` is a constexpr function, ~10 us a call on the H200's host)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl_dtype(dtype))
 
 
 @functools.lru_cache(maxsize=4)
@@ -1015,15 +1000,14 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     key-major view. `both`: BOTH's (dk1, expect, dq1 accumulator)."""
     grid, fixed, constexprs = launch_plan(problem, lse1, grad_rows, dq2, dk2, schedule, g_scale is None, head_lo,
                                           heads, both is not None)
-    args = call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale, both, constexprs["BLOCK_M"])
+    args = call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale, both)
     return grid, (*args, *(lse1 if t is None else t for t in fixed)), constexprs
 
 
-def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None, rows: int = BLOCK_M) -> tuple:
-    """The launch's leading arguments, those each call's tensors make: the inputs' descriptors
-    (queries in boxes of a step's `rows`), the statistics, g, the accumulators and gradients (and
-    their descriptors), g's scale."""
-    descs = [flat_descriptor(t, box) for t, box in ((q1, rows), (k1, BLOCK_N), (q2, rows), (k2, BLOCK_N))]
+def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None) -> tuple:
+    """The launch's leading arguments, those each call's tensors make: the inputs' descriptors,
+    the statistics, g, the accumulators and gradients (and their descriptors), g's scale."""
+    descs = [flat_descriptor(t, box) for t, box in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
     return (
         *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2, dq_cols(dq2.shape[-1])) if DQ_TMA else descs[0],
         *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
@@ -1077,9 +1061,8 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
         scale1, scale2, scale2 * LN2, scale1 * LN2, k_programs,
     )  # fmt: skip
     use_tma = bool(DQ_TMA)
-    rows = step_rows(problem, both)
-    ds_layout = ds_shared_layout(problem.dtype, rows)
-    constexprs = dict(D=problem.dim2, BLOCK_M=rows, STAGES=stages(problem.dim2, rows), CAUSAL=problem.causal,
+    ds_layout = ds_shared_layout(problem.dtype)
+    constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
@@ -1088,7 +1071,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
         and group2 == 1
     constexprs["ROT"] = diag_last(constexprs)
     constexprs["LSPLIT"] = listed_loops(constexprs)
-    constexprs["EARLY_P"] = bool(EARLY_P) and not both
+    constexprs["EARLY_P"] = early_p_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1199,7 +1182,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
-           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, ROWS_D64)
+           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1261,8 +1244,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     outs = (dq2, dq1) if both else (dq2,)
     plans = _plans(problem, lse1, g, accum2, dk2, schedule, g_scale, both, chunks)
     # every chunk: the same tensors (the accumulators flushed and zeroed between them)
-    args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None,
-                     step_rows(problem, both))
+    args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None)
     for chunk, plan in enumerate(plans):
         lo = chunk * per_chunk
         _launch(plan, args, lse1)
@@ -1280,19 +1262,19 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
-                       early_p: bool | None = None, rows: int = BLOCK_M):
+                       early_p: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
     a loop for the full pairs, one for the partial; `early_p`: side 1's exponentials under side 2's
-    product; `rows`: query rows a step (`ROWS_D64`: 128 at D=64); None: as `DQ_TMA` / `DQ_SPLIT64` /
-    `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P`)."""
+    product; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` /
+    `EARLY_P`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
     cols = 32 if dim == 64 and dq_split and tma_dq else 64
     t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
-    descs = [flat_descriptor(t, box) for box in (rows, BLOCK_N, rows, BLOCK_N)]
+    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
     stats = torch.empty(4, dtype=torch.float32)
     cu = torch.zeros(3, dtype=torch.int32)
     names = ("stride_sb", "stride_sh", "stride_sn", "stride_gb", "stride_gn", "stride_gh", "stride_dqb",
@@ -1309,8 +1291,8 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(stride_sn=1, stride_gn=1)  # as launched (Triton specializes 1s)
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, out_scale1=0.5, k_programs=1024)
-    constexprs = dict(D=dim, BLOCK_M=rows, STAGES=stages(dim, rows), CAUSAL=causal,
-                      DS_LAYOUT=ds_shared_layout(dtype, rows), LISTED=listed,
+    constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
+                      DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(cols), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
                       DQ_COLS=cols, AHEAD=ahead,
@@ -1320,5 +1302,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
         constexprs["STAGES"] = 2
     constexprs["ROT"] = diag_last(constexprs, last_diag)
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
-    constexprs["EARLY_P"] = bool(EARLY_P if early_p is None else early_p) and not both
+    constexprs["EARLY_P"] = early_p_on(constexprs, early_p)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
