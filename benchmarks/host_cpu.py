@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
 import re
 import shutil
 import statistics
@@ -135,7 +136,7 @@ def main():
         for _ in range(args.repeats):
             run()
         profiler.disable()
-        stats = pstats.Stats(profiler).sort_stats("tottime")
+        stats = pstats.Stats(profiler).sort_stats(os.environ.get("HOST_SORT", "tottime"))
         stats.print_stats(40)
         if args.callees:
             stats.print_callees(args.callees)

@@ -1044,13 +1044,13 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
-     (torch.bfloat16, 64, False, "backward-early-p"),
+     (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-dk-defer"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
-         "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p",
+         "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1069,6 +1069,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
     elif overlap == "backward-early-p":  # side 1's exponentials under side 2's product (EARLY_P)
         call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True)"
+    elif overlap == "backward-dk-defer":  # each step's dk product waited for in the next step (DK_DEFER)
+        call = f"g.gluon_backward.compile_for_hopper({call}, dk_defer=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
         call = f"g.gluon_backward.compile_for_hopper({call}, both=True, last_diag=True)"
     elif overlap == "backward-both-listed-loops":  # BOTH over block masks in two loops (LISTED_LOOPS)
@@ -1099,7 +1101,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
-    elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p",
+    elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p", "backward-dk-defer",
                      "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
@@ -1312,9 +1314,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p"],
+@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p"])
+                              "tma-early-p", "tma-dk-defer"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1339,6 +1341,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # without causality or lists, so the default runs it on the fp16 D=64 case below; here
     # everywhere the kernel has it: causal, listed full pairs, D=128)
     monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", tma == "early-p")
+    # each step's dk product waited for in the next step (DK_DEFER, sixteenth session: off until measured)
+    monkeypatch.setattr(gluon_backward, "DK_DEFER", tma == "dk-defer")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))

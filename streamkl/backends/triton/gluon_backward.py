@@ -436,7 +436,7 @@ if GLUON_IMPORT_ERROR is None:
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
-                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr):
+                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -491,6 +491,12 @@ if GLUON_IMPORT_ERROR is None:
         # (ROT: the same two loops in the other order, the unmasked steps first: the producer streams
         # the query tiles from the diagonal's end around to its start; `i` counts the stream, `r`
         # is the step's query tile, the diagonal's last)
+        # DK_DEFER (student): a step's dk product is waited for with the next step's score products,
+        # which the tensor cores run after it anyway; `held` is the query slot it still reads (-1: none)
+        DEFER: gl.constexpr = DK_DEFER and not BOTH
+        held = n_tiles * 0 - 1
+        if DEFER:  # (the loops carry dk as an accumulator in flight)
+            dk = hopper.warpgroup_mma_init(dk)
         for phase in gl.static_range(2 if DIAG or LSPLIT else 1):
             if ROT:
                 if phase == 0:
@@ -557,10 +563,19 @@ if GLUON_IMPORT_ERROR is None:
                     # side 1's exponentials while the tensor cores run side 2's product
                     st1 = hopper.warpgroup_mma_wait(1, deps=[t1])
                     p_early = gl.exp2(st1 * scale1 - lse1[:, None])
-                    st2 = hopper.warpgroup_mma_wait(0, deps=[t2])
+                    if DEFER:
+                        st2, dk = hopper.warpgroup_mma_wait(0, deps=[t2, dk])
+                    else:
+                        st2 = hopper.warpgroup_mma_wait(0, deps=[t2])
                 else:
                     p_early = None
-                    st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+                    if DEFER:
+                        st1, st2, dk = hopper.warpgroup_mma_wait(0, deps=[t1, t2, dk])
+                    else:
+                        st1, st2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+                if DEFER:  # the step before's dk product, waited for with these: its query slot is read
+                    if held >= 0:
+                        mbarrier.arrive(empty.index(held), count=1)
                 if LISTED:
                     visit = r // 2
                     if not BOTH:
@@ -612,9 +627,12 @@ if GLUON_IMPORT_ERROR is None:
                 if BOTH:
                     dk1 = hopper.warpgroup_mma(ds1_own, q1_smem.index(slot), dk1, is_async=True)
                     dk, dk1 = hopper.warpgroup_mma_wait(0, deps=[dk, dk1])
+                    mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
+                elif DEFER:  # (waited for with the next step's score products, or after the loops)
+                    held = slot
                 else:
                     dk = hopper.warpgroup_mma_wait(0, deps=[dk])
-                mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
+                    mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
                 o_step = o_dq
                 if GQA2:
                     o_step = o_dq + h_in * stride_dqh
@@ -643,6 +661,10 @@ if GLUON_IMPORT_ERROR is None:
                         _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
                     else:
                         _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
+        if DEFER:  # the last step's dk product
+            dk = hopper.warpgroup_mma_wait(0, deps=[dk])
+            if held >= 0:
+                mbarrier.arrive(empty.index(held), count=1)
         if DQ_TMA:  # the last reduction has read its shared tile before the program's memory goes
             tma.store_wait(0)
         keys = (k0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_layout))).to(gl.int64)
@@ -666,7 +688,8 @@ if GLUON_IMPORT_ERROR is None:
                         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
-                        AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr):
+                        AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
+                        DK_DEFER: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -674,7 +697,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -715,6 +738,7 @@ if GLUON_IMPORT_ERROR is None:
         ROT: gl.constexpr,  # DIAG: the unmasked steps first, the diagonal's last (`DIAG_LAST`)
         LSPLIT: gl.constexpr,  # LISTED: the full pairs' steps in one loop, the partial pairs' in a second
         EARLY_P: gl.constexpr,  # student: side 1's exponentials while side 2's score product runs (`EARLY_P`)
+        DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -829,7 +853,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -837,7 +861,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -906,6 +930,14 @@ def early_p_on(constexprs: dict, switch: bool | None = None) -> bool:
     if EARLY_P_EVERYWHERE:
         return on
     return on and constexprs["D"] == 64 and not constexprs["CAUSAL"] and not constexprs["LISTED"]
+
+
+#: The student kernel leaves each step's dk product (dk += dS2^T q2) in flight and waits for it
+#: with the next step's score products (the tensor cores run them in order anyway), releasing the
+#: step's query slot then, instead of waiting for it before the step's dq product and the next
+#: step. Sixteenth session: written and simulated (`gluon_simulate.py --backward --dk-defer`);
+#: off until measured: `ab_gluon_bwd.py --dim 64 --variants '[{}, {"DK_DEFER": true}]'`.
+DK_DEFER = False
 
 
 @functools.lru_cache(maxsize=4)
@@ -1072,6 +1104,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["ROT"] = diag_last(constexprs)
     constexprs["LSPLIT"] = listed_loops(constexprs)
     constexprs["EARLY_P"] = early_p_on(constexprs)
+    constexprs["DK_DEFER"] = bool(DK_DEFER) and not both
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1182,7 +1215,8 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
-           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE)
+           STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
+           DK_DEFER)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1262,13 +1296,13 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
-                       early_p: bool | None = None):
+                       early_p: bool | None = None, dk_defer: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
     a loop for the full pairs, one for the partial; `early_p`: side 1's exponentials under side 2's
-    product; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` /
-    `EARLY_P`)."""
+    product; `dk_defer`: each step's dk product waited for in the next step; None: as `DQ_TMA` /
+    `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
@@ -1303,4 +1337,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["ROT"] = diag_last(constexprs, last_diag)
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
     constexprs["EARLY_P"] = early_p_on(constexprs, early_p)
+    constexprs["DK_DEFER"] = bool(DK_DEFER if dk_defer is None else dk_defer) and not both
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
