@@ -17,7 +17,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --both --diag-last  # causal: the diagonal's steps last (DIAG_LAST)
     ... --backward [--both] --listed-loops  # masks: the full pairs' loop, then the partial's
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
-    ... --backward --dk-defer  # each step's dk product waited for in the next step (DK_DEFER)
+    ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -467,10 +467,11 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.EARLY_P_EVERYWHERE = True
-    if "--dk-defer" in sys.argv:  # each step's dk product waited for in the next step (DK_DEFER; student)
+    if "--dk-defer" in sys.argv:  # each step's dk product waited for in the next step (DK_DEFER, on at
+        # D=64; here every launch)
         from streamkl.backends.triton import gluon_backward
 
-        gluon_backward.DK_DEFER = True
+        gluon_backward.DK_DEFER_EVERYWHERE = True
     if "--listed-loops" in sys.argv:  # block masks / windows: full pairs' and partial pairs' loops (LISTED_LOOPS)
         from streamkl.backends.triton import gluon_backward
 

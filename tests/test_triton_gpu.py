@@ -1341,8 +1341,9 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # without causality or lists, so the default runs it on the fp16 D=64 case below; here
     # everywhere the kernel has it: causal, listed full pairs, D=128)
     monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", tma == "early-p")
-    # each step's dk product waited for in the next step (DK_DEFER, sixteenth session: off until measured)
-    monkeypatch.setattr(gluon_backward, "DK_DEFER", tma == "dk-defer")
+    # each step's dk product waited for in the next step (DK_DEFER, sixteenth session: on at D=64, so
+    # the default runs it on the D=64 cases below; here every student launch)
+    monkeypatch.setattr(gluon_backward, "DK_DEFER_EVERYWHERE", tma == "dk-defer")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
@@ -1558,3 +1559,21 @@ def test_gluon_backward_early_p_scope(monkeypatch):
     assert early(64, causal=True) and early(128) and early(64, **mask) and not early(64, both=True)
     monkeypatch.setattr(gluon_backward, "EARLY_P", False)
     assert not early(64) and not early(128, causal=True)
+
+
+def test_gluon_backward_dk_defer_scope(monkeypatch):
+    """`DK_DEFER` (each step's dk product waited for in the next step; on since the sixteenth
+    session, measured faster there at D=64 only) reaches the student launches at head dim 64,
+    causal or not, not D=128 or BOTH; `DK_DEFER_EVERYWHERE` every student launch (host code only)."""
+    from streamkl.backends.triton import gluon_backward
+
+    def defer(dim, causal=False, both=False):
+        constexprs = dict(D=dim, CAUSAL=causal, BOTH=both, LISTED=False)
+        return gluon_backward.dk_defer_on(constexprs)
+
+    assert defer(64) and defer(64, causal=True) and not defer(128) and not defer(64, both=True)
+    monkeypatch.setattr(gluon_backward, "DK_DEFER_EVERYWHERE", True)
+    assert defer(128) and defer(128, causal=True) and not defer(128, both=True)
+    monkeypatch.setattr(gluon_backward, "DK_DEFER", False)
+    assert not defer(64) and not defer(128)
+    assert gluon_backward.dk_defer_on(dict(D=64, BOTH=False), True)

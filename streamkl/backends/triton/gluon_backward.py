@@ -935,9 +935,22 @@ def early_p_on(constexprs: dict, switch: bool | None = None) -> bool:
 #: The student kernel leaves each step's dk product (dk += dS2^T q2) in flight and waits for it
 #: with the next step's score products (the tensor cores run them in order anyway), releasing the
 #: step's query slot then, instead of waiting for it before the step's dq product and the next
-#: step. Sixteenth session: written and simulated (`gluon_simulate.py --backward --dk-defer`);
-#: off until measured: `ab_gluon_bwd.py --dim 64 --variants '[{}, {"DK_DEFER": true}]'`.
-DK_DEFER = False
+#: step. Sixteenth session: simulated (`gluon_simulate.py --backward --dk-defer`; a mutation that
+#: never releases the slot hangs it), its GPU test passed on the H200 (every student launch), then
+#: timed there (N=16K, H=16, bf16, the backward call alone, interleaved do_bench medians of 5
+#: rounds, `results/ab_dk_defer_h200.jsonl`; EARLY_P as on): D=64 5.65 -> 5.51 ms, causal 2.97 ->
+#: 2.91; D=128 9.44 -> 9.73 (slower in every round), causal 5.02 -> 4.96. On at D=64
+#: (`dk_defer_on`); `DK_DEFER_EVERYWHERE` (tests) takes it to every student launch.
+DK_DEFER = True
+DK_DEFER_EVERYWHERE = False
+
+
+def dk_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
+    """Whether a launch with these constexprs waits for each step's dk product in the next step
+    (`DK_DEFER`, or `switch` if given): the student kernel at D=64; with `DK_DEFER_EVERYWHERE`
+    every student launch."""
+    on = bool(DK_DEFER if switch is None else switch) and not constexprs["BOTH"]
+    return on and (bool(DK_DEFER_EVERYWHERE) or constexprs["D"] == 64)
 
 
 @functools.lru_cache(maxsize=4)
@@ -1104,7 +1117,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["ROT"] = diag_last(constexprs)
     constexprs["LSPLIT"] = listed_loops(constexprs)
     constexprs["EARLY_P"] = early_p_on(constexprs)
-    constexprs["DK_DEFER"] = bool(DK_DEFER) and not both
+    constexprs["DK_DEFER"] = dk_defer_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1216,7 +1229,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER)
+           DK_DEFER, DK_DEFER_EVERYWHERE)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1337,5 +1350,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["ROT"] = diag_last(constexprs, last_diag)
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
     constexprs["EARLY_P"] = early_p_on(constexprs, early_p)
-    constexprs["DK_DEFER"] = bool(DK_DEFER if dk_defer is None else dk_defer) and not both
+    constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
