@@ -63,6 +63,10 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   2.95. With BOTH, causal programs' diagonal steps last (`DIAG_LAST`): the unmasked loop's spills
   gone, all four gradients causal 9.09 -> 8.07 ms. Measured slower and removed: DQ_LAG, PINGPONG
   (D=64 7.33 ms), STATS_AHEAD_BOTH.
+- sixteenth session: at D=64, side 1's exponentials while side 2's score product runs (`EARLY_P`,
+  non-causal: 5.80 -> 5.64 ms) and each step's dk product waited for in the next step
+  (`DK_DEFER`: 5.65 -> 5.51, causal 2.97 -> 2.91; slower at D=128). 128 query rows a step at D=64
+  (ROWS_D64, FlashAttention-3's tile there): 6.06 against 5.75 ms, removed.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -128,7 +132,7 @@ LN2 = 0.6931471805599453
 
 
 def stages(dim: int) -> int:
-    """Ring slots of both sides' query tiles (D=128: 2 x 32 KB each next to 64 KB of keys)."""
+    """Ring slots of both sides' query tiles (two 16 KB tiles a slot at D=128, 8 KB at D=64)."""
     return 3 if dim > 64 else 4
 
 
