@@ -11,6 +11,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     /tmp/tvenv/bin/pip install --no-deps -e /tmp/triton-viz
     /tmp/tvenv/bin/pip install ml_dtypes anytree z3-solver==4.15.3.0 pyarrow tqdm flask
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py        # ~15 s: eight problems
+    ... --early-side1  # the forward taking side 1's terms under side 2's product (EARLY_SIDE1)
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward    # the student backward (gluon_backward.py)
     ... --backward --atomics    # with dq2 added by atomics (DQ_TMA off);  --backward --both: all four gradients
     ... --backward [--both] --ahead  # each step's statistics loaded a step ahead (STATS_AHEAD)
@@ -417,6 +418,10 @@ def main():
         (1, 200, 256, 2, (2, 2), (64, 128), False, True),
     ]
     if "--backward" not in sys.argv:
+        if "--early-side1" in sys.argv:  # side 1's terms under side 2's product (EARLY_SIDE1)
+            from streamkl.backends.triton import gluon_forward
+
+            gluon_forward.EARLY_SIDE1 = True
         if "--new" in sys.argv:  # only the cases added last
             cases = cases[14:]
         worst = max(simulate(triton_viz, client, *case) for case in cases)

@@ -1040,6 +1040,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
 @pytest.mark.parametrize(
     "config",
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, (128, 64), True, False),
+     (torch.bfloat16, 128, False, "early-side1"),
      (torch.bfloat16, 128, True, "varlen"),
      (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
@@ -1047,7 +1048,8 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-dk-defer"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
-    ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-causal-varlen",
+    ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-early-side1",
+         "bf16-D128-causal-varlen",
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
          "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
@@ -1079,6 +1081,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, True)"
     elif overlap == "backward-varlen-tail-gqa-vec2":  # packed, partial tiles, side-2 GQA, dq2 by red.v2
         call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True, True, True, tma_dq=False)"
+    elif overlap == "early-side1":  # the forward taking side 1's terms under side 2's product (EARLY_SIDE1)
+        call = f"g.compile_for_hopper({call}, early1=True)"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
     elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
@@ -1099,6 +1103,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
         assert instruction in result["ptx"], instruction
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
+    if overlap in ("early-side1", "backward-early-p"):  # a wait for the first of the two products alone
+        assert "wgmma.wait_group.sync.aligned 1;" in result["ptx"]
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
     elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p", "backward-dk-defer",
@@ -1110,7 +1116,7 @@ def test_gluon_kernels_compile_for_hopper(config):
 
 
 @gpu
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("overlap", [False, True, "early1"], ids=["plain", "overlap", "early-side1"])
 def test_gluon_forward_matches_reference(overlap, monkeypatch):
     """The Gluon forward forced on wherever it applies (dense or varlen, causal or not, GQA, tails,
     empty rows; D 64 / 128; 16-bit) against the float64 reference, the backward the Triton one;
@@ -1119,7 +1125,10 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
     monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
-    monkeypatch.setattr(gluon_forward, "OVERLAP", overlap)
+    monkeypatch.setattr(gluon_forward, "OVERLAP", overlap is True)
+    # side 1's terms under side 2's product (EARLY_SIDE1, sixteenth session: off, not yet run on a GPU;
+    # the dense non-causal whole-tile cases below take it)
+    monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", overlap == "early1")
     calls = []
     original = gluon_forward.kl_forward
     monkeypatch.setattr(gluon_forward, "kl_forward", lambda *a: calls.append(1) or original(*a))

@@ -118,6 +118,28 @@ def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
     return applies(problem, q1, k1, q2, k2)
 
 
+#: Dense launches without causality or a partial key tile (every key tile full): each warpgroup
+#: waits for side 1's score product alone, takes side 1's terms of the tile's statistics (its
+#: maxima, exponentials and their sum) while the tensor cores still run side 2's product, then
+#: waits for that (the student backward's `EARLY_P` won 3 % at D=64 the same way). At D=128 a side's
+#: product and a side's exponentials are ~500 cycles each a tile and warpgroup. Sixteenth session,
+#: written after its device time was spent: simulated (`gluon_simulate.py --early-side1`; a
+#: mutation of side 2's half fails it), sm_90a builds spill-free, not yet run on a GPU: off. In the
+#: SASS ptxas keeps only side 1's row maxima (FMNMX) between the two waits and sinks all the
+#: exponentials past the second (the backward's EARLY_P kept 5 of 32 and still won 3 %). To try:
+#: `test_gluon_forward_matches_reference[early-side1]` (GPU), then `ab_trees.py --flip
+#: backends.triton.gluon_forward.EARLY_SIDE1=True --cases "fwd D=128,fwd 90%"` (at D=64 the default
+#: forward is forward.py's; `STREAMKL_GLUON=1` forces the Gluon one).
+EARLY_SIDE1 = False
+
+
+def early_side1(constexprs: dict, switch: bool | None = None) -> bool:
+    """Whether a launch with these constexprs takes side 1's terms under side 2's product
+    (`EARLY_SIDE1`, or `switch` if given): the plain variant, dense, not causal, whole tiles."""
+    on = bool(EARLY_SIDE1 if switch is None else switch)
+    return on and not (constexprs["CAUSAL"] or constexprs["TAIL"] or constexprs["LISTED"] or constexprs["OVERLAP"])
+
+
 #: The variant: False, each warpgroup waits for its tile's products before the statistics (128-key
 #: tiles; the two warpgroups overlap each other); True, it issues the next tile's products first
 #: and takes this tile's statistics while they run (FA3's intra-warpgroup overlap; 64-key tiles,
@@ -226,6 +248,28 @@ if GLUON_IMPORT_ERROR is None:
         return m1_new, m2_new, l1, l2, acc
 
     @gluon.jit
+    def _full_tile_side1(r1, scale1, m1):
+        """EARLY_SIDE1: `_full_tile`'s side-1 terms, which need side 1's product only: (m1_new, t1s,
+        e1, alpha1, sum1), taken while the tensor cores run side 2's product."""
+        m1_new = gl.maximum(m1, gl.max(r1, axis=1) * scale1)
+        t1s = r1 * scale1 - m1_new[:, None]
+        e1 = gl.exp2(t1s)
+        alpha1 = gl.exp2(m1 - m1_new)
+        return m1_new, t1s, e1, alpha1, gl.sum(e1, axis=1)
+
+    @gluon.jit
+    def _full_tile_side2(r2, scale2, side1, m2, l1, l2, acc):
+        """EARLY_SIDE1: the rest of `_full_tile` once side 2's product is in (the same arithmetic;
+        `_full_tile` does not call the two halves, as that reorders the default build's PTX)."""
+        m1_new, t1s, e1, alpha1, sum1 = side1
+        m2_new = gl.maximum(m2, gl.max(r2, axis=1) * scale2)
+        t2s = r2 * scale2 - m2_new[:, None]
+        l1 = l1 * alpha1 + sum1
+        acc = acc * alpha1 + (gl.sum(e1 * (t1s - t2s), axis=1) + (m1_new - m2_new) * sum1)
+        l2 = l2 * gl.exp2(m2 - m2_new) + gl.sum(gl.exp2(t2s), axis=1)
+        return m1_new, m2_new, l1, l2, acc
+
+    @gluon.jit
     def _masked_tile(s1, s2, diff, m1, m2, l1, l2, acc):
         """A key tile with masked scores (log2 units, -inf where not allowed; diff = s1 - s2 where
         both sides allow, else 0): forward._fwd_step's masked branch. Rows without an allowed key
@@ -309,7 +353,7 @@ if GLUON_IMPORT_ERROR is None:
                   row0, len_q, len_k, n_tiles, scale1, scale2,
                   n_full_listed, index, flags_list, window_left, window_right,
                   WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  TAIL: gl.constexpr, OVERLAP: gl.constexpr, LISTED: gl.constexpr):
+                  TAIL: gl.constexpr, OVERLAP: gl.constexpr, LISTED: gl.constexpr, EARLY1: gl.constexpr):
         """One warpgroup, 64 query rows (row0 + 64 * WG ...) of a sequence of len_q rows against
         len_k keys: the products and the online statistics of every key tile, then the rows'
         (KL, lse1, lse2, E), rows past len_q not written. LISTED: the key tiles are a schedule's
@@ -363,15 +407,22 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
                 t1 = hopper.warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
                 t2 = hopper.warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-                r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-                mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
-                if LISTED:
-                    m1, m2, l1, l2, acc, row_flags = _listed_tile_stats(
-                        r1, r2, i, n_full_listed, index, flags_list, o_i, len_q, len_k, window_left, window_right,
-                        scale1, scale2, m1, m2, l1, l2, acc, row_flags, BLOCK_N, col_layout)
+                if EARLY1:  # (dense whole tiles, not causal: every tile full) side 1's terms under side 2's product
+                    r1 = hopper.warpgroup_mma_wait(1, deps=[t1])
+                    side1 = _full_tile_side1(r1, scale1, m1)
+                    r2 = hopper.warpgroup_mma_wait(0, deps=[t2])
+                    mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
+                    m1, m2, l1, l2, acc = _full_tile_side2(r2, scale2, side1, m2, l1, l2, acc)
                 else:
-                    m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2,
-                                                      m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
+                    r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+                    mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
+                    if LISTED:
+                        m1, m2, l1, l2, acc, row_flags = _listed_tile_stats(
+                            r1, r2, i, n_full_listed, index, flags_list, o_i, len_q, len_k, window_left,
+                            window_right, scale1, scale2, m1, m2, l1, l2, acc, row_flags, BLOCK_N, col_layout)
+                    else:
+                        m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2,
+                                                          m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
         # finalize (SPEC 4) as the Triton kernel does, natural logs. Both sides share one structure
         # (no masks here), so no row is uncovered; a row is empty when it sees no key (len_k == 0,
         # or causal with i + offset < 0): KL 0, lse -inf, E 0, whatever its values
@@ -403,12 +454,12 @@ if GLUON_IMPORT_ERROR is None:
                     row0, len_q, len_k, n_tiles, scale1, scale2,
                     n_full_listed, index, flags_list, window_left, window_right,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, TAIL: gl.constexpr,
-                    OVERLAP: gl.constexpr, LISTED: gl.constexpr):
+                    OVERLAP: gl.constexpr, LISTED: gl.constexpr, EARLY1: gl.constexpr):
         _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                   row0, len_q, len_k, n_tiles, scale1, scale2,
                   n_full_listed, index, flags_list, window_left, window_right,
-                  1, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED)
+                  1, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED, EARLY1)
 
     @gluon.jit
     def _kl_fwd_gluon_kernel(
@@ -428,6 +479,7 @@ if GLUON_IMPORT_ERROR is None:
         CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, VARLEN: gl.constexpr,
         TAIL: gl.constexpr,  # varlen, or Nk not a multiple of BLOCK_N: a last key tile to mask
         LISTED: gl.constexpr,  # block masks or a window: walk the schedule's key-tile lists
+        EARLY1: gl.constexpr,  # dense, not causal, whole tiles: side 1's terms under side 2's product (`EARLY_SIDE1`)
     ):
         # one flat grid axis, query tiles fastest, the last (longest under causality) first
         pid_bh = gl.program_id(0) // q_programs
@@ -490,12 +542,12 @@ if GLUON_IMPORT_ERROR is None:
                              KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                              row0, len_q, len_k, n_tiles, scale1, scale2,
                              n_full_listed, index, flags_list, window_left, window_right,
-                             0, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED)),
+                             0, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED, EARLY1)),
                 (_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
                                KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                                row0, len_q, len_k, n_tiles, scale1, scale2,
                                n_full_listed, index, flags_list, window_left, window_right,
-                               BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED)),
+                               BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED, EARLY1)),
                 (_load_then_stream, (q1_desc, q2_desc, q1_smem, q2_smem, q_bar, q_row, head * D1, head * D2,
                                      k1_desc, k2_desc, k1_smem, k2_smem, ready, empty, k_row,
                                      (head // group1) * D1, (head // group2) * D2, n_tiles, index, BLOCK_N, STAGES,
@@ -569,6 +621,7 @@ def launch_plan(problem: Problem, overlap: bool, schedule=None):
     constexprs = dict(D1=problem.dim1, D2=problem.dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=problem.causal,
                       OVERLAP=overlap, VARLEN=varlen, TAIL=varlen or problem.seqlen_k % block_n != 0,
                       LISTED=is_listed)
+    constexprs["EARLY1"] = early_side1(constexprs)
     return (q_programs * problem.batch * problem.heads,), constexprs, block_n, (*cu, *lists), scalars
 
 
@@ -595,8 +648,9 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule=None):
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
     kept = problem.extra.get("gluon_forward_plan")
-    if kept is None or kept[0] is not schedule or kept[1] != OVERLAP:
-        kept = problem.extra["gluon_forward_plan"] = [schedule, OVERLAP, launch_plan(problem, OVERLAP, schedule), None]
+    switches = (OVERLAP, EARLY_SIDE1)
+    if kept is None or kept[0] is not schedule or kept[1] != switches:
+        kept = problem.extra["gluon_forward_plan"] = [schedule, switches, launch_plan(problem, OVERLAP, schedule), None]
     grid, args, constexprs = launch_args(problem, q1, k1, q2, k2, kl_rows, lse1, lse2, expect, OVERLAP, schedule,
                                          kept[2])
     # every argument's specialization is the plan's (the inputs 16-byte aligned: `applies`; the
@@ -636,9 +690,10 @@ def compile_sm90(kernel, examples: dict, constexprs: dict):
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim=128, causal: bool = False, overlap: bool = False,
-                       varlen: bool = False, listed: bool = False):
+                       varlen: bool = False, listed: bool = False, early1: bool | None = None):
     """The forward compiled for sm_90a (`compile_sm90`) at one configuration; `dim` one head dim
-    or (teacher's, student's)."""
+    or (teacher's, student's); `early1`: side 1's terms under side 2's product (None: as
+    `EARLY_SIDE1`)."""
     dim1, dim2 = dim if isinstance(dim, tuple) else (dim, dim)
     block_n, stages = config(max(dim1, dim2), overlap)
     t1, t2 = (torch.empty(2, BLOCK_M, 4, d, dtype=dtype) for d in (dim1, dim2))
@@ -656,4 +711,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim=128, causal: bool = False, over
     examples.update(scale1=0.5, scale2=0.5, q_programs=1024)
     constexprs = dict(D1=dim1, D2=dim2, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, OVERLAP=overlap,
                       VARLEN=varlen, TAIL=varlen, LISTED=listed)
+    constexprs["EARLY1"] = early_side1(constexprs, early1)
     return compile_sm90(_kl_fwd_gluon_kernel, examples, constexprs)
