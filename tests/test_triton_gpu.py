@@ -1586,3 +1586,21 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
     monkeypatch.setattr(gluon_backward, "DK_DEFER", False)
     assert not defer(64) and not defer(128)
     assert gluon_backward.dk_defer_on(dict(D=64, BOTH=False), True)
+
+
+def test_gluon_forward_early_side1_scope(monkeypatch):
+    """`EARLY_SIDE1` (off: written in the sixteenth session, not yet timed) reaches the Gluon
+    forward's dense, non-causal launches of whole key tiles only, not causal ones, a last partial
+    key tile, packed sequences or the OVERLAP variant (host code only; no launch)."""
+    gluon_forward = _gluon()
+    from streamkl.problem import build_problem
+
+    g = torch.Generator().manual_seed(5)
+
+    def early(n_k=384, overlap=False, **kwargs):
+        x = [torch.randn(1, n, 4, 128, generator=g).to(torch.bfloat16) for n in (256, n_k, 256, n_k)]
+        return gluon_forward.launch_plan(build_problem(*x, **kwargs), overlap)[1]["EARLY1"]
+
+    assert not early()  # (off by default)
+    monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", True)
+    assert early() and not early(causal=True) and not early(n_k=300) and not early(overlap=True)
