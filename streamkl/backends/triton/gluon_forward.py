@@ -122,14 +122,16 @@ def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
 #: waits for side 1's score product alone, takes side 1's terms of the tile's statistics (its
 #: maxima, exponentials and their sum) while the tensor cores still run side 2's product, then
 #: waits for that (the student backward's `EARLY_P` won 3 % at D=64 the same way). At D=128 a side's
-#: product and a side's exponentials are ~500 cycles each a tile and warpgroup. Sixteenth session,
-#: written after its device time was spent: simulated (`gluon_simulate.py --early-side1`; a
-#: mutation of side 2's half fails it), sm_90a builds spill-free, not yet run on a GPU: off. In the
-#: SASS ptxas keeps only side 1's row maxima (FMNMX) between the two waits and sinks all the
-#: exponentials past the second (the backward's EARLY_P kept 5 of 32 and still won 3 %). To try:
-#: `test_gluon_forward_matches_reference[early-side1]` (GPU), then `ab_trees.py --flip
-#: backends.triton.gluon_forward.EARLY_SIDE1=True --cases "fwd D=128,fwd 90%"` (at D=64 the default
-#: forward is forward.py's; `STREAMKL_GLUON=1` forces the Gluon one).
+#: product and a side's exponentials are ~500 cycles each a tile and warpgroup. The warpgroup
+#: stores side 1's row sums to shared memory before the second wait: without that store ptxas sank
+#: all 64 exponentials a thread past the wait (keeping only the maxima before it); with it all 64
+#: stay before (sm_90a SASS). Sixteenth session, written after its device time was spent:
+#: simulated (`gluon_simulate.py --early-side1`; a mutation of the second half fails it), sm_90a
+#: builds spill-free and not serialized, default builds' PTX unchanged; not yet run on a GPU: off.
+#: To try: `test_gluon_forward_matches_reference[early-side1]` (GPU), then `ab_trees.py --flip
+#: backends.triton.gluon_forward.EARLY_SIDE1=True --cases "fwd D=128,fwd 90%"`; at D=64 the
+#: default forward is forward.py's: `--flip "backends.triton.gluon_forward.USE_GLUON=True,
+#: backends.triton.gluon_forward.EARLY_SIDE1=True" --cases "fwd D=64"` compares the two.
 EARLY_SIDE1 = False
 
 
@@ -348,7 +350,7 @@ if GLUON_IMPORT_ERROR is None:
         return m1_new, m2_new, l1, l2, acc, row_flags
 
     @gluon.jit
-    def _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+    def _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty, sink,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                   row0, len_q, len_k, n_tiles, scale1, scale2,
                   n_full_listed, index, flags_list, window_left, window_right,
@@ -410,6 +412,7 @@ if GLUON_IMPORT_ERROR is None:
                 if EARLY1:  # (dense whole tiles, not causal: every tile full) side 1's terms under side 2's product
                     r1 = hopper.warpgroup_mma_wait(1, deps=[t1])
                     side1 = _full_tile_side1(r1, scale1, m1)
+                    sink.store(side1[4])  # (the sums: see `sink0` in the kernel)
                     r2 = hopper.warpgroup_mma_wait(0, deps=[t2])
                     mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
                     m1, m2, l1, l2, acc = _full_tile_side2(r2, scale2, side1, m2, l1, l2, acc)
@@ -449,13 +452,13 @@ if GLUON_IMPORT_ERROR is None:
         gl.store(EXPECT + o_stat + rows * stride_sn, expect, mask=keep)
 
     @gluon.jit
-    def _consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+    def _consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty, sink,
                     KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                     row0, len_q, len_k, n_tiles, scale1, scale2,
                     n_full_listed, index, flags_list, window_left, window_right,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, TAIL: gl.constexpr,
                     OVERLAP: gl.constexpr, LISTED: gl.constexpr, EARLY1: gl.constexpr):
-        _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+        _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty, sink,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                   row0, len_q, len_k, n_tiles, scale1, scale2,
                   n_full_listed, index, flags_list, window_left, window_right,
@@ -522,6 +525,14 @@ if GLUON_IMPORT_ERROR is None:
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [STAGES, BLOCK_N, D1], k1_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, D2], k2_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if EARLY1:  # each consumer warpgroup's side-1 row sums, stored before it waits for side 2's product:
+            # ptxas keeps that shared store before the wait, and with it the exponentials the sums need
+            # (without it, it sank all 64 a thread past the wait)
+            sink0 = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            sink1 = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        else:
+            sink0 = q_bar  # (unused)
+            sink1 = q_bar
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
@@ -538,12 +549,12 @@ if GLUON_IMPORT_ERROR is None:
         k_row = start_k
         gl.warp_specialize(
             [
-                (_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+                (_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty, sink0,
                              KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                              row0, len_q, len_k, n_tiles, scale1, scale2,
                              n_full_listed, index, flags_list, window_left, window_right,
                              0, BLOCK_N, STAGES, CAUSAL, TAIL, OVERLAP, LISTED, EARLY1)),
-                (_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty,
+                (_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty, sink1,
                                KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                                row0, len_q, len_k, n_tiles, scale1, scale2,
                                n_full_listed, index, flags_list, window_left, window_right,
