@@ -1046,6 +1046,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
      (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-dk-defer"),
+     (torch.bfloat16, 64, False, "backward-p-sink"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-early-side1",
@@ -1053,6 +1054,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
          "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
+         "backward-bf16-D64-p-sink",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1071,6 +1073,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
     elif overlap == "backward-early-p":  # side 1's exponentials under side 2's product (EARLY_P)
         call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True)"
+    elif overlap == "backward-p-sink":  # EARLY_P with p's row sums stored before the second wait
+        call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True, p_sink=True)"
     elif overlap == "backward-dk-defer":  # each step's dk product waited for in the next step (DK_DEFER)
         call = f"g.gluon_backward.compile_for_hopper({call}, dk_defer=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
@@ -1103,12 +1107,12 @@ def test_gluon_kernels_compile_for_hopper(config):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
         assert instruction in result["ptx"], instruction
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
-    if overlap in ("early-side1", "backward-early-p"):  # a wait for the first of the two products alone
+    if overlap in ("early-side1", "backward-early-p", "backward-p-sink"):  # a wait for the first product alone
         assert "wgmma.wait_group.sync.aligned 1;" in result["ptx"]
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
     elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p", "backward-dk-defer",
-                     "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
+                     "backward-p-sink", "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
         if dim == 64 and overlap is None:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
@@ -1323,9 +1327,10 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer"],
+@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
+                                 "p-sink"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-dk-defer"])
+                              "tma-early-p", "tma-dk-defer", "tma-p-sink"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1349,7 +1354,10 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # side 1's exponentials while side 2's score product runs (EARLY_P, sixteenth session: on at D=64
     # without causality or lists, so the default runs it on the fp16 D=64 case below; here
     # everywhere the kernel has it: causal, listed full pairs, D=128)
-    monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", tma == "early-p")
+    monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", tma in ("early-p", "p-sink"))
+    # with it p's row sums stored before the second wait (EARLY_P_SINK, sixteenth session: off, not yet
+    # run on a GPU)
+    monkeypatch.setattr(gluon_backward, "EARLY_P_SINK", tma == "p-sink")
     # each step's dk product waited for in the next step (DK_DEFER, sixteenth session: on at D=64, so
     # the default runs it on the D=64 cases below; here every student launch)
     monkeypatch.setattr(gluon_backward, "DK_DEFER_EVERYWHERE", tma == "dk-defer")

@@ -430,7 +430,7 @@ if GLUON_IMPORT_ERROR is None:
         return lse1, lse2, g
 
     @gluon.jit
-    def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+    def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
@@ -440,7 +440,8 @@ if GLUON_IMPORT_ERROR is None:
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
-                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr):
+                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr,
+                      EARLY_P_SINK: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -567,6 +568,9 @@ if GLUON_IMPORT_ERROR is None:
                     # side 1's exponentials while the tensor cores run side 2's product
                     st1 = hopper.warpgroup_mma_wait(1, deps=[t1])
                     p_early = gl.exp2(st1 * scale1 - lse1[:, None])
+                    if EARLY_P_SINK:  # a shared store that needs every exponential, which ptxas keeps
+                        # before the wait (else it sinks most of them past it)
+                        sink.store(gl.sum(p_early, axis=1))
                     if DEFER:
                         st2, dk = hopper.warpgroup_mma_wait(0, deps=[t2, dk])
                     else:
@@ -683,7 +687,7 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(p_dk1, (dk1 * out_scale1).to(DK1.dtype.element_ty))
 
     @gluon.jit
-    def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+    def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
                         LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
@@ -693,15 +697,15 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr):
-        _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+                        DK_DEFER: gl.constexpr, EARLY_P_SINK: gl.constexpr):
+        _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER, EARLY_P_SINK)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -743,6 +747,7 @@ if GLUON_IMPORT_ERROR is None:
         LSPLIT: gl.constexpr,  # LISTED: the full pairs' steps in one loop, the partial pairs' in a second
         EARLY_P: gl.constexpr,  # student: side 1's exponentials while side 2's score product runs (`EARLY_P`)
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
+        EARLY_P_SINK: gl.constexpr,  # EARLY_P: p's row sums stored before the second wait (`EARLY_P_SINK`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -826,6 +831,12 @@ if GLUON_IMPORT_ERROR is None:
             dq_smem0 = ds_smem
             dq_smem1 = ds_smem
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        if EARLY_P_SINK:  # each consumer warpgroup's p row sums, stored before it waits for side 2's product
+            sink0 = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            sink1 = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        else:
+            sink0 = ds_bar  # (unused)
+            sink1 = ds_bar
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -850,22 +861,25 @@ if GLUON_IMPORT_ERROR is None:
             rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
         gl.warp_specialize(
             [
-                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink0,
                                  LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                  stride_sn, stride_gn, stride_dqn, stride_dkn,
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
+                                 EARLY_P_SINK)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+                                   sink1,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
+                                 EARLY_P_SINK)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -934,6 +948,15 @@ def early_p_on(constexprs: dict, switch: bool | None = None) -> bool:
     if EARLY_P_EVERYWHERE:
         return on
     return on and constexprs["D"] == 64 and not constexprs["CAUSAL"] and not constexprs["LISTED"]
+
+
+#: With EARLY_P: each consumer warpgroup stores p's row sums to shared memory before it waits for
+#: side 2's product. ptxas keeps only 5 of p's 32 exponentials a thread before that wait otherwise;
+#: a shared store that needs them all stays before it (so it did in the Gluon forward's
+#: EARLY_SIDE1, where the sums are needed anyway; here they cost ~35 instructions a step).
+#: Sixteenth session, after its device time was spent: simulated, sm_90a builds checked, not yet
+#: run on a GPU: off. To try: `ab_gluon_bwd.py --dim 64 --variants '[{}, {"EARLY_P_SINK": true}]'`.
+EARLY_P_SINK = False
 
 
 #: The student kernel leaves each step's dk product (dk += dS2^T q2) in flight and waits for it
@@ -1122,6 +1145,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["LSPLIT"] = listed_loops(constexprs)
     constexprs["EARLY_P"] = early_p_on(constexprs)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
+    constexprs["EARLY_P_SINK"] = bool(EARLY_P_SINK) and constexprs["EARLY_P"]
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1233,7 +1257,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE)
+           DK_DEFER, DK_DEFER_EVERYWHERE, EARLY_P_SINK)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1313,13 +1337,14 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
-                       early_p: bool | None = None, dk_defer: bool | None = None):
+                       early_p: bool | None = None, dk_defer: bool | None = None, p_sink: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
     a loop for the full pairs, one for the partial; `early_p`: side 1's exponentials under side 2's
-    product; `dk_defer`: each step's dk product waited for in the next step; None: as `DQ_TMA` /
-    `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER`)."""
+    product; `dk_defer`: each step's dk product waited for in the next step; `p_sink`: with early_p,
+    p's row sums stored before the second wait; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` /
+    `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER` / `EARLY_P_SINK`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
@@ -1355,4 +1380,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
     constexprs["EARLY_P"] = early_p_on(constexprs, early_p)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
+    constexprs["EARLY_P_SINK"] = bool(EARLY_P_SINK if p_sink is None else p_sink) and constexprs["EARLY_P"]
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
