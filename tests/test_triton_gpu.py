@@ -1130,8 +1130,8 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
     monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
     monkeypatch.setattr(gluon_forward, "OVERLAP", overlap is True)
-    # side 1's terms under side 2's product (EARLY_SIDE1, sixteenth session: off, not yet run on a GPU;
-    # the dense non-causal whole-tile cases below take it)
+    # side 1's terms under side 2's product on full key tiles (EARLY_SIDE1, sixteenth session: off, not
+    # yet run on a GPU; every case below but the OVERLAP variant's takes it)
     monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", overlap == "early1")
     calls = []
     original = gluon_forward.kl_forward
@@ -1598,10 +1598,11 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
 
 def test_gluon_forward_early_side1_scope(monkeypatch):
     """`EARLY_SIDE1` (off: written in the sixteenth session, not yet timed) reaches the Gluon
-    forward's dense, non-causal launches of whole key tiles only, not causal ones, a last partial
-    key tile, packed sequences or the OVERLAP variant (host code only; no launch)."""
+    forward's plain launches, causal or not, with a partial last key tile or not (the kernel takes
+    it on the full tiles), not the OVERLAP variant or a window / block masks (host code only)."""
     gluon_forward = _gluon()
     from streamkl.problem import build_problem
+    from streamkl.sparse.schedule import get_schedule
 
     g = torch.Generator().manual_seed(5)
 
@@ -1611,4 +1612,7 @@ def test_gluon_forward_early_side1_scope(monkeypatch):
 
     assert not early()  # (off by default)
     monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", True)
-    assert early() and not early(causal=True) and not early(n_k=300) and not early(overlap=True)
+    assert early() and early(causal=True) and early(n_k=300) and not early(overlap=True)
+    x = [torch.randn(1, n, 4, 128, generator=g).to(torch.bfloat16) for n in (256, 256, 256, 256)]
+    masked = build_problem(*x, window=(64, 0))  # (block masks and windows: the lists, not this)
+    assert not gluon_forward.launch_plan(masked, False, get_schedule(masked, 128, 128))[1]["EARLY1"]

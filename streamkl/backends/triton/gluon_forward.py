@@ -118,28 +118,31 @@ def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
     return applies(problem, q1, k1, q2, k2)
 
 
-#: Dense launches without causality or a partial key tile (every key tile full): each warpgroup
+#: Launches without block masks or a window (the plain variant), on their full key tiles (every
+#: tile without causality or a partial last tile; else a runtime branch per tile): each warpgroup
 #: waits for side 1's score product alone, takes side 1's terms of the tile's statistics (its
 #: maxima, exponentials and their sum) while the tensor cores still run side 2's product, then
-#: waits for that (the student backward's `EARLY_P` won 3 % at D=64 the same way). At D=128 a side's
-#: product and a side's exponentials are ~500 cycles each a tile and warpgroup. The warpgroup
-#: stores side 1's row sums to shared memory before the second wait: without that store ptxas sank
-#: all 64 exponentials a thread past the wait (keeping only the maxima before it); with it all 64
-#: stay before (sm_90a SASS). Sixteenth session, written after its device time was spent:
-#: simulated (`gluon_simulate.py --early-side1`; a mutation of the second half fails it), sm_90a
-#: builds spill-free and not serialized, default builds' PTX unchanged; not yet run on a GPU: off.
-#: To try: `test_gluon_forward_matches_reference[early-side1]` (GPU), then `ab_trees.py --flip
-#: backends.triton.gluon_forward.EARLY_SIDE1=True --cases "fwd D=128,fwd 90%"`; at D=64 the
-#: default forward is forward.py's: `--flip "backends.triton.gluon_forward.USE_GLUON=True,
-#: backends.triton.gluon_forward.EARLY_SIDE1=True" --cases "fwd D=64"` compares the two.
+#: waits for that (the student backward's `EARLY_P` won 3 % at D=64 the same way). At D=128 a
+#: side's product and a side's exponentials are ~500 cycles each a tile and warpgroup. The
+#: warpgroup stores side 1's row sums to shared memory before the second wait: without that store
+#: ptxas sank all 64 exponentials a thread past the wait (keeping only the maxima before it); with
+#: it all 64 stay before (sm_90a SASS). Sixteenth session, written after its device time was
+#: spent: simulated (`gluon_simulate.py --early-side1`; a mutation of the second half fails it),
+#: sm_90a builds spill-free and not serialized, default builds' PTX unchanged; not yet run on a
+#: GPU: off. To try: `test_gluon_forward_matches_reference[early-side1]` (GPU), then `ab_trees.py
+#: --flip backends.triton.gluon_forward.EARLY_SIDE1=True --cases "fwd D=128,fwd D=128 causal"`;
+#: at D=64 the default forward is forward.py's: `--flip "backends.triton.gluon_forward.USE_GLUON=
+#: True,backends.triton.gluon_forward.EARLY_SIDE1=True" --cases "fwd D=64,fwd D=64 causal"`
+#: compares the two.
 EARLY_SIDE1 = False
 
 
 def early_side1(constexprs: dict, switch: bool | None = None) -> bool:
-    """Whether a launch with these constexprs takes side 1's terms under side 2's product
-    (`EARLY_SIDE1`, or `switch` if given): the plain variant, dense, not causal, whole tiles."""
+    """Whether a launch with these constexprs takes side 1's terms under side 2's product on its
+    full key tiles (`EARLY_SIDE1`, or `switch` if given): the plain variant without block masks or
+    a window (causal or not, packed or not)."""
     on = bool(EARLY_SIDE1 if switch is None else switch)
-    return on and not (constexprs["CAUSAL"] or constexprs["TAIL"] or constexprs["LISTED"] or constexprs["OVERLAP"])
+    return on and not (constexprs["LISTED"] or constexprs["OVERLAP"])
 
 
 #: The variant: False, each warpgroup waits for its tile's products before the statistics (128-key
@@ -270,6 +273,18 @@ if GLUON_IMPORT_ERROR is None:
         acc = acc * alpha1 + (gl.sum(e1 * (t1s - t2s), axis=1) + (m1_new - m2_new) * sum1)
         l2 = l2 * gl.exp2(m2 - m2_new) + gl.sum(gl.exp2(t2s), axis=1)
         return m1_new, m2_new, l1, l2, acc
+
+    @gluon.jit
+    def _early_tile(t1, t2, sink, empty_bar, scale1, scale2, m1, m2, l1, l2, acc):
+        """EARLY_SIDE1, a full tile: wait for side 1's product alone, take its terms, store their row
+        sums to `sink` (a shared store that keeps the exponentials before the next wait in ptxas's
+        schedule), wait for side 2's, release the slot, finish the statistics."""
+        r1 = hopper.warpgroup_mma_wait(1, deps=[t1])
+        side1 = _full_tile_side1(r1, scale1, m1)
+        sink.store(side1[4])
+        r2 = hopper.warpgroup_mma_wait(0, deps=[t2])
+        mbarrier.arrive(empty_bar, count=1)  # both products are in registers
+        return _full_tile_side2(r2, scale2, side1, m2, l1, l2, acc)
 
     @gluon.jit
     def _masked_tile(s1, s2, diff, m1, m2, l1, l2, acc):
@@ -409,13 +424,18 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
                 t1 = hopper.warpgroup_mma(a1, k1_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
                 t2 = hopper.warpgroup_mma(a2, k2_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-                if EARLY1:  # (dense whole tiles, not causal: every tile full) side 1's terms under side 2's product
-                    r1 = hopper.warpgroup_mma_wait(1, deps=[t1])
-                    side1 = _full_tile_side1(r1, scale1, m1)
-                    sink.store(side1[4])  # (the sums: see `sink0` in the kernel)
-                    r2 = hopper.warpgroup_mma_wait(0, deps=[t2])
-                    mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
-                    m1, m2, l1, l2, acc = _full_tile_side2(r2, scale2, side1, m2, l1, l2, acc)
+                if EARLY1 and not (CAUSAL or TAIL):  # every tile full: side 1's terms under side 2's product
+                    m1, m2, l1, l2, acc = _early_tile(t1, t2, sink, empty.index(slot), scale1, scale2, m1, m2, l1,
+                                                      l2, acc)
+                elif EARLY1:  # the same on the full tiles, the masked ones as before
+                    if i < n_full:
+                        m1, m2, l1, l2, acc = _early_tile(t1, t2, sink, empty.index(slot), scale1, scale2, m1, m2,
+                                                          l1, l2, acc)
+                    else:
+                        r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+                        mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
+                        m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2,
+                                                          m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
                 else:
                     r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
                     mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
@@ -482,7 +502,7 @@ if GLUON_IMPORT_ERROR is None:
         CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, VARLEN: gl.constexpr,
         TAIL: gl.constexpr,  # varlen, or Nk not a multiple of BLOCK_N: a last key tile to mask
         LISTED: gl.constexpr,  # block masks or a window: walk the schedule's key-tile lists
-        EARLY1: gl.constexpr,  # dense, not causal, whole tiles: side 1's terms under side 2's product (`EARLY_SIDE1`)
+        EARLY1: gl.constexpr,  # not LISTED: side 1's terms under side 2's product on full tiles (`EARLY_SIDE1`)
     ):
         # one flat grid axis, query tiles fastest, the last (longest under causality) first
         pid_bh = gl.program_id(0) // q_programs
