@@ -20,6 +20,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
     ... --backward --p-sink  # EARLY_P everywhere, p's row sums stored before the second wait (EARLY_P_SINK)
+    ... --backward --dq-defer [--split64]  # each step's dq piece waited for in the next step (DQ_DEFER)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -477,6 +478,13 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.EARLY_P_SINK = gluon_backward.EARLY_P_EVERYWHERE = True
+    if "--dq-defer" in sys.argv:  # each step's dq piece waited for in the next step (DQ_DEFER; D=128, or D=64
+        # with DQ_SPLIT64 as well: --dq-defer --split64)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.DQ_DEFER = True
+        if "--split64" in sys.argv:
+            gluon_backward.DQ_SPLIT64 = True
     if "--dk-defer" in sys.argv:  # each step's dk product waited for in the next step (DK_DEFER, on at
         # D=64; here every launch)
         from streamkl.backends.triton import gluon_backward

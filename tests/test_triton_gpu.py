@@ -1046,7 +1046,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
      (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-dk-defer"),
-     (torch.bfloat16, 64, False, "backward-p-sink"),
+     (torch.bfloat16, 64, False, "backward-p-sink"), (torch.bfloat16, 128, False, "backward-dq-defer"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-early-side1",
@@ -1054,7 +1054,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
          "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
-         "backward-bf16-D64-p-sink",
+         "backward-bf16-D64-p-sink", "backward-bf16-D128-dq-defer",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1073,6 +1073,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
     elif overlap == "backward-early-p":  # side 1's exponentials under side 2's product (EARLY_P)
         call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True)"
+    elif overlap == "backward-dq-defer":  # each step's dq piece waited for in the next step (DQ_DEFER)
+        call = f"g.gluon_backward.compile_for_hopper({call}, dq_defer=True)"
     elif overlap == "backward-p-sink":  # EARLY_P with p's row sums stored before the second wait
         call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True, p_sink=True)"
     elif overlap == "backward-dk-defer":  # each step's dk product waited for in the next step (DK_DEFER)
@@ -1112,7 +1114,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
     elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p", "backward-dk-defer",
-                     "backward-p-sink", "backward-both-diag-last", "backward-both-listed-loops"):  # dq2 by TMA
+                     "backward-p-sink", "backward-dq-defer", "backward-both-diag-last",
+                     "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
         if dim == 64 and overlap is None:  # each consumer warpgroup's 32 columns of dq2 a step (DQ_SPLIT64)
@@ -1328,9 +1331,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 @gpu
 @pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
-                                 "p-sink"],
+                                 "p-sink", "dq-defer"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-dk-defer", "tma-p-sink"])
+                              "tma-early-p", "tma-dk-defer", "tma-p-sink", "tma-dq-defer"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1346,7 +1349,10 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # dq2 by element atomics / vector reductions, or by TMA bulk reductions (DQ_TMA, tenth session)
     monkeypatch.setattr(gluon_backward, "DQ_TMA", bool(tma))
     # D=64: dq2's columns split between the warpgroups every step (DQ_SPLIT64, fourteenth session: off)
-    monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma == "split64")
+    monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma in ("split64", "dq-defer"))
+    # each step's dq piece waited for in the next step (DQ_DEFER, sixteenth session: off, not yet run on
+    # a GPU; non-causal, D=128 and, with DQ_SPLIT64, D=64)
+    monkeypatch.setattr(gluon_backward, "DQ_DEFER", tma == "dq-defer")
     # each step's statistics loaded a step ahead (STATS_AHEAD, fifteenth session: on) or not
     monkeypatch.setattr(gluon_backward, "STATS_AHEAD", tma != "not-ahead")
     # block masks' full and partial pairs in two loops (LISTED_LOOPS, fifteenth session: on) or one
@@ -1594,6 +1600,11 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
     monkeypatch.setattr(gluon_backward, "DK_DEFER", False)
     assert not defer(64) and not defer(128)
     assert gluon_backward.dk_defer_on(dict(D=64, BOTH=False), True)
+    # DQ_DEFER (off): the student kernel, not causal, not listed (the kernel: where every step has a dq piece)
+    qd = lambda **c: gluon_backward.dq_defer_on(dict(dict(BOTH=False, CAUSAL=False, LISTED=False), **c))  # noqa: E731
+    assert not qd()
+    monkeypatch.setattr(gluon_backward, "DQ_DEFER", True)
+    assert qd() and not qd(CAUSAL=True) and not qd(LISTED=True) and not qd(BOTH=True)
 
 
 def test_gluon_forward_early_side1_scope(monkeypatch):

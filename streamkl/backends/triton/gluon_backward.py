@@ -441,7 +441,7 @@ if GLUON_IMPORT_ERROR is None:
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
                       LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr,
-                      EARLY_P_SINK: gl.constexpr):
+                      EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -502,6 +502,18 @@ if GLUON_IMPORT_ERROR is None:
         held = n_tiles * 0 - 1
         if DEFER:  # (the loops carry dk as an accumulator in flight)
             dk = hopper.warpgroup_mma_init(dk)
+        # DQ_DEFER (student, a dq piece every step: D=128, or D=64 with DQ_SPLIT64; TMA reductions): each
+        # step's dq product left in flight, waited for and reduced in the next step once its score
+        # products are issued (the tensor cores run them right after it, no gap for the reduction);
+        # in flight at every back edge (as DK_DEFER's dk), the next product accumulating into
+        # the waited tile's registers (use_acc=False: their values unread): nothing keeps the in-flight
+        # value alive past its wait, which would copy it (ptxas then serializes every wgmma: C7514)
+        QDEFER: gl.constexpr = DQ_DEFER and not BOTH and D > DQ_COLS and DQ_TMA
+        dq_due = n_tiles * 0  # 1: a step's dq product is in flight
+        dq_row_p = q_row
+        dq_col_p = dq_col
+        if QDEFER:
+            dq_t = hopper.warpgroup_mma_init(zero_q)
         for phase in gl.static_range(2 if DIAG or LSPLIT else 1):
             if ROT:
                 if phase == 0:
@@ -546,6 +558,12 @@ if GLUON_IMPORT_ERROR is None:
                 else:
                     tile_row0, fresh_row0, h_in = _step_rows(r, index, first_tile, n_per, len_q, BLOCK_M,
                                                              LISTED, TAIL, GQA2)
+                if QDEFER:  # the step before's dq product (with these: a wait for it alone, wait_group 2,
+                    # made ptxas serialize every wgmma, C7514, as it does for any product read after a
+                    # partial wait across the loop's back edge)
+                    dq_v = hopper.warpgroup_mma_wait(0, deps=[dq_t])
+                    if dq_due != 0:
+                        _reduce_dq(dq_desc, dq_smem, dq_v * out_scale2, dq_row_p, dq_col_p)
                 o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
                 if not AHEAD:
                     # the rows' statistics straight into the score layout (two rows a thread from one 64-bit
@@ -650,7 +668,14 @@ if GLUON_IMPORT_ERROR is None:
                 # as before the ninth session, were 32 values hoisted out of the loop and spilled)
                 p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
                 p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-                if D > DQ_COLS:
+                if QDEFER:  # (the other warpgroup rewrites this buffer only after this warpgroup's next ds_bar
+                    # arrival, which follows that product's wait)
+                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
+                    dq_t = hopper.warpgroup_mma(ds_all, kb2, dq_v, use_acc=False, is_async=True)
+                    dq_due = n_tiles * 0 + 1
+                    dq_row_p = q_row + tile_row0
+                    dq_col_p = dq_col + h_in * D + WG * DQ_COLS
+                elif D > DQ_COLS:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:  # this warpgroup's [64, DQ_COLS] piece by one TMA bulk reduction
@@ -669,6 +694,10 @@ if GLUON_IMPORT_ERROR is None:
                         _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
                     else:
                         _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
+        if QDEFER:  # the last step's dq product
+            dq_v = hopper.warpgroup_mma_wait(0, deps=[dq_t])
+            if dq_due != 0:
+                _reduce_dq(dq_desc, dq_smem, dq_v * out_scale2, dq_row_p, dq_col_p)
         if DEFER:  # the last step's dk product
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             if held >= 0:
@@ -697,7 +726,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr, EARLY_P_SINK: gl.constexpr):
+                        DK_DEFER: gl.constexpr, EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -705,7 +734,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER, EARLY_P_SINK)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER, EARLY_P_SINK, DQ_DEFER)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -748,6 +777,7 @@ if GLUON_IMPORT_ERROR is None:
         EARLY_P: gl.constexpr,  # student: side 1's exponentials while side 2's score product runs (`EARLY_P`)
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
         EARLY_P_SINK: gl.constexpr,  # EARLY_P: p's row sums stored before the second wait (`EARLY_P_SINK`)
+        DQ_DEFER: gl.constexpr,  # student, every step's dq piece: waited for and reduced in the next step
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -869,7 +899,7 @@ if GLUON_IMPORT_ERROR is None:
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
                                  DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                 EARLY_P_SINK)),
+                                 EARLY_P_SINK, DQ_DEFER)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    sink1,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
@@ -879,7 +909,7 @@ if GLUON_IMPORT_ERROR is None:
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
                                    DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                 EARLY_P_SINK)),
+                                 EARLY_P_SINK, DQ_DEFER)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -978,6 +1008,30 @@ def dk_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
     every student launch."""
     on = bool(DK_DEFER if switch is None else switch) and not constexprs["BOTH"]
     return on and (bool(DK_DEFER_EVERYWHERE) or constexprs["D"] == 64)
+
+
+#: The student kernel where every step has a dq piece for each consumer warpgroup (D=128: 64
+#: columns each; D=64 with DQ_SPLIT64: 32 each): the step's dq product is left in flight and
+#: waited for in the next step after that step's score products are issued, its reduction
+#: (scale, shared memory, TMA) done there. Not the D=64 default's parity turns: an in-flight
+#: product leaving that runtime branch makes ptxas serialize every wgmma (C7514; tried this
+#: session); nor after a wait for it alone (wait_group 2 under the score products: C7514 again,
+#: as for any product read after a partial wait across the loop's back edge), so the wait takes the
+#: score products too and the reduction comes before the exponentials. Not causal or listed
+#: launches either (their D=128 builds spill 48-188 bytes with it; the others none). Sixteenth session,
+#: after its device time was spent: simulated (`gluon_simulate.py --backward --dq-defer`), sm_90a
+#: builds checked, not yet run on a GPU: off. To try:
+#: `ab_gluon_bwd.py --variants '[{}, {"DQ_DEFER": true}, {"DQ_DEFER": true, "DK_DEFER_EVERYWHERE":
+#: true}]'` (D=128), and at `--dim 64` with `{"DQ_SPLIT64": true, "DQ_DEFER": true}`.
+DQ_DEFER = False
+
+
+def dq_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
+    """Whether a launch with these constexprs waits for each step's dq piece in the next step
+    (`DQ_DEFER`, or `switch` if given): the student kernel, not causal, not listed (the kernel
+    takes it where every step has a dq piece: D > DQ_COLS)."""
+    on = bool(DQ_DEFER if switch is None else switch)
+    return on and not (constexprs["BOTH"] or constexprs["CAUSAL"] or constexprs["LISTED"])
 
 
 @functools.lru_cache(maxsize=4)
@@ -1146,6 +1200,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["EARLY_P"] = early_p_on(constexprs)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
     constexprs["EARLY_P_SINK"] = bool(EARLY_P_SINK) and constexprs["EARLY_P"]
+    constexprs["DQ_DEFER"] = dq_defer_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1257,7 +1312,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, EARLY_P_SINK)
+           DK_DEFER, DK_DEFER_EVERYWHERE, EARLY_P_SINK, DQ_DEFER)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1337,14 +1392,16 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
-                       early_p: bool | None = None, dk_defer: bool | None = None, p_sink: bool | None = None):
+                       early_p: bool | None = None, dk_defer: bool | None = None, p_sink: bool | None = None,
+                       dq_defer: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
     a loop for the full pairs, one for the partial; `early_p`: side 1's exponentials under side 2's
     product; `dk_defer`: each step's dk product waited for in the next step; `p_sink`: with early_p,
-    p's row sums stored before the second wait; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` /
-    `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER` / `EARLY_P_SINK`)."""
+    p's row sums stored before the second wait; `dq_defer`: each step's dq piece waited for in the
+    next step; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` /
+    `EARLY_P` / `DK_DEFER` / `EARLY_P_SINK` / `DQ_DEFER`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
@@ -1381,4 +1438,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["EARLY_P"] = early_p_on(constexprs, early_p)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     constexprs["EARLY_P_SINK"] = bool(EARLY_P_SINK if p_sink is None else p_sink) and constexprs["EARLY_P"]
+    constexprs["DQ_DEFER"] = dq_defer_on(constexprs, dq_defer)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
