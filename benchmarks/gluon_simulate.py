@@ -20,7 +20,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
     ... --backward --p-sink  # EARLY_P everywhere, p's row sums stored before the second wait (EARLY_P_SINK)
-    ... --backward --dq-defer [--split64]  # each step's dq piece waited for in the next step (DQ_DEFER)
+    ... --backward --dq-defer [--split64]  # each dq product waited for in the next step (DQ_DEFER)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -478,8 +478,8 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.EARLY_P_SINK = gluon_backward.EARLY_P_EVERYWHERE = True
-    if "--dq-defer" in sys.argv:  # each step's dq piece waited for in the next step (DQ_DEFER; D=128, or D=64
-        # with DQ_SPLIT64 as well: --dq-defer --split64)
+    if "--dq-defer" in sys.argv:  # each dq product waited for in the next step (DQ_DEFER; D=64's turns, D=128's
+        # pieces; D=64 with DQ_SPLIT64's pieces: --dq-defer --split64)
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DQ_DEFER = True

@@ -1047,6 +1047,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
      (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-dk-defer"),
      (torch.bfloat16, 64, False, "backward-p-sink"), (torch.bfloat16, 128, False, "backward-dq-defer"),
+     (torch.bfloat16, 64, True, "backward-dq-defer"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-early-side1",
@@ -1054,7 +1055,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
          "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
          "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
-         "backward-bf16-D64-p-sink", "backward-bf16-D128-dq-defer",
+         "backward-bf16-D64-p-sink", "backward-bf16-D128-dq-defer", "backward-bf16-D64-causal-dq-defer",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1349,9 +1350,9 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # dq2 by element atomics / vector reductions, or by TMA bulk reductions (DQ_TMA, tenth session)
     monkeypatch.setattr(gluon_backward, "DQ_TMA", bool(tma))
     # D=64: dq2's columns split between the warpgroups every step (DQ_SPLIT64, fourteenth session: off)
-    monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma in ("split64", "dq-defer"))
-    # each step's dq piece waited for in the next step (DQ_DEFER, sixteenth session: off, not yet run on
-    # a GPU; non-causal, D=128 and, with DQ_SPLIT64, D=64)
+    monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma == "split64")
+    # each dq product waited for in the next step (DQ_DEFER, sixteenth session: off, not yet run on a
+    # GPU; D=64, and D=128 non-causal)
     monkeypatch.setattr(gluon_backward, "DQ_DEFER", tma == "dq-defer")
     # each step's statistics loaded a step ahead (STATS_AHEAD, fifteenth session: on) or not
     monkeypatch.setattr(gluon_backward, "STATS_AHEAD", tma != "not-ahead")
@@ -1600,11 +1601,12 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
     monkeypatch.setattr(gluon_backward, "DK_DEFER", False)
     assert not defer(64) and not defer(128)
     assert gluon_backward.dk_defer_on(dict(D=64, BOTH=False), True)
-    # DQ_DEFER (off): the student kernel, not causal, not listed (the kernel: where every step has a dq piece)
-    qd = lambda **c: gluon_backward.dq_defer_on(dict(dict(BOTH=False, CAUSAL=False, LISTED=False), **c))  # noqa: E731
+    # DQ_DEFER (off): the student kernel at D=64, or at D=128 not causal and not listed
+    qd = lambda **c: gluon_backward.dq_defer_on(dict(dict(D=128, BOTH=False, CAUSAL=False, LISTED=False), **c))  # noqa: E731
     assert not qd()
     monkeypatch.setattr(gluon_backward, "DQ_DEFER", True)
     assert qd() and not qd(CAUSAL=True) and not qd(LISTED=True) and not qd(BOTH=True)
+    assert qd(D=64, CAUSAL=True) and qd(D=64, LISTED=True) and not qd(D=64, BOTH=True)
 
 
 def test_gluon_forward_early_side1_scope(monkeypatch):

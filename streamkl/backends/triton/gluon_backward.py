@@ -502,13 +502,12 @@ if GLUON_IMPORT_ERROR is None:
         held = n_tiles * 0 - 1
         if DEFER:  # (the loops carry dk as an accumulator in flight)
             dk = hopper.warpgroup_mma_init(dk)
-        # DQ_DEFER (student, a dq piece every step: D=128, or D=64 with DQ_SPLIT64; TMA reductions): each
-        # step's dq product left in flight, waited for and reduced in the next step once its score
-        # products are issued (the tensor cores run them right after it, no gap for the reduction);
-        # in flight at every back edge (as DK_DEFER's dk), the next product accumulating into
-        # the waited tile's registers (use_acc=False: their values unread): nothing keeps the in-flight
-        # value alive past its wait, which would copy it (ptxas then serializes every wgmma: C7514)
-        QDEFER: gl.constexpr = DQ_DEFER and not BOTH and D > DQ_COLS and DQ_TMA
+        # DQ_DEFER (student, TMA reductions): a step's dq product left in flight, waited for and reduced
+        # in the next step once its score products are issued (the tensor cores run them right after
+        # it, no gap for the reduction), by a full wait (a wait for it alone, wait_group 2, made ptxas
+        # serialize every wgmma: C7514); the next product accumulates into the waited tile's registers
+        # (use_acc=False: their values unread), so that nothing keeps an in-flight value alive
+        QDEFER: gl.constexpr = DQ_DEFER and not BOTH and DQ_TMA
         dq_due = n_tiles * 0  # 1: a step's dq product is in flight
         dq_row_p = q_row
         dq_col_p = dq_col
@@ -561,9 +560,15 @@ if GLUON_IMPORT_ERROR is None:
                 if QDEFER:  # the step before's dq product (with these: a wait for it alone, wait_group 2,
                     # made ptxas serialize every wgmma, C7514, as it does for any product read after a
                     # partial wait across the loop's back edge)
-                    dq_v = hopper.warpgroup_mma_wait(0, deps=[dq_t])
-                    if dq_due != 0:
-                        _reduce_dq(dq_desc, dq_smem, dq_v * out_scale2, dq_row_p, dq_col_p)
+                    if D == DQ_COLS:  # parity turns: only after a turn (the other steps keep EARLY_P's split)
+                        if dq_due != 0:
+                            dq_v = hopper.warpgroup_mma_wait(0, deps=[dq_t])
+                            _reduce_dq(dq_desc, dq_smem, dq_v * out_scale2, dq_row_p, dq_col_p)
+                            dq_t = hopper.warpgroup_mma_init(dq_v)
+                    else:  # every step (this way spill-free at D=128)
+                        dq_v = hopper.warpgroup_mma_wait(0, deps=[dq_t])
+                        if dq_due != 0:
+                            _reduce_dq(dq_desc, dq_smem, dq_v * out_scale2, dq_row_p, dq_col_p)
                 o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
                 if not AHEAD:
                     # the rows' statistics straight into the score layout (two rows a thread from one 64-bit
@@ -668,7 +673,16 @@ if GLUON_IMPORT_ERROR is None:
                 # as before the ninth session, were 32 values hoisted out of the loop and spilled)
                 p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
                 p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-                if QDEFER:  # (the other warpgroup rewrites this buffer only after this warpgroup's next ds_bar
+                if QDEFER and D == DQ_COLS:  # D=64's parity turns
+                    if i % 2 == WG:
+                        mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                        dq_t = hopper.warpgroup_mma(ds_all, kb2, dq_t, use_acc=False, is_async=True)
+                        dq_due = n_tiles * 0 + 1
+                        dq_row_p = q_row + tile_row0
+                        dq_col_p = dq_col + h_in * D
+                    else:
+                        dq_due = n_tiles * 0
+                elif QDEFER:  # (the other warpgroup rewrites this buffer only after this warpgroup's next ds_bar
                     # arrival, which follows that product's wait)
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq_t = hopper.warpgroup_mma(ds_all, kb2, dq_v, use_acc=False, is_async=True)
@@ -1010,28 +1024,28 @@ def dk_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
     return on and (bool(DK_DEFER_EVERYWHERE) or constexprs["D"] == 64)
 
 
-#: The student kernel where every step has a dq piece for each consumer warpgroup (D=128: 64
-#: columns each; D=64 with DQ_SPLIT64: 32 each): the step's dq product is left in flight and
-#: waited for in the next step after that step's score products are issued, its reduction
-#: (scale, shared memory, TMA) done there. Not the D=64 default's parity turns: an in-flight
-#: product leaving that runtime branch makes ptxas serialize every wgmma (C7514; tried this
-#: session); nor after a wait for it alone (wait_group 2 under the score products: C7514 again,
-#: as for any product read after a partial wait across the loop's back edge), so the wait takes the
-#: score products too and the reduction comes before the exponentials. Not causal or listed
-#: launches either (their D=128 builds spill 48-188 bytes with it; the others none). Sixteenth session,
-#: after its device time was spent: simulated (`gluon_simulate.py --backward --dq-defer`), sm_90a
-#: builds checked, not yet run on a GPU: off. To try:
-#: `ab_gluon_bwd.py --variants '[{}, {"DQ_DEFER": true}, {"DQ_DEFER": true, "DK_DEFER_EVERYWHERE":
-#: true}]'` (D=128), and at `--dim 64` with `{"DQ_SPLIT64": true, "DQ_DEFER": true}`.
+#: The student kernel leaves each dq product (dS2 k2 over the tile's 128 keys: D=64's turns by
+#: parity, or every step's piece at D=128 and D=64 with DQ_SPLIT64) in flight and waits for it in
+#: the next step after that step's score products are issued, its reduction (scale, shared
+#: memory, TMA) done there, instead of waiting for it at the end of its own step. The wait is a
+#: full one (it takes the score products too): a wait for the dq product alone (wait_group 2)
+#: made ptxas serialize every wgmma (C7514) whether or not it sat in a branch; ptxas does not
+#: follow partial waits across the loop's back edge (EARLY_P's, within a step, is fine). At D=64
+#: the wait comes only after a turn, so the other steps keep EARLY_P's split. D=128 causal and
+#: listed builds spill 144-188 bytes with it: not there. Sixteenth session, after its device time
+#: was spent: simulated (`gluon_simulate.py --backward --dq-defer [--split64]`; a mutation dropping
+#: the last reduction fails it), sm_90a builds spill-free and not serialized, not yet run on a
+#: GPU: off. To try: `ab_gluon_bwd.py --dim 64 [--causal] --variants '[{}, {"DQ_DEFER": true}]'`,
+#: and at D=128 with `{"DQ_DEFER": true, "DK_DEFER_EVERYWHERE": true}` too.
 DQ_DEFER = False
 
 
 def dq_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
-    """Whether a launch with these constexprs waits for each step's dq piece in the next step
-    (`DQ_DEFER`, or `switch` if given): the student kernel, not causal, not listed (the kernel
-    takes it where every step has a dq piece: D > DQ_COLS)."""
-    on = bool(DQ_DEFER if switch is None else switch)
-    return on and not (constexprs["BOTH"] or constexprs["CAUSAL"] or constexprs["LISTED"])
+    """Whether a launch with these constexprs waits for each dq product in the next step
+    (`DQ_DEFER`, or `switch` if given): the student kernel at D=64, or at D=128 not causal and not
+    listed (where its builds spill)."""
+    on = bool(DQ_DEFER if switch is None else switch) and not constexprs["BOTH"]
+    return on and (constexprs["D"] == 64 or not (constexprs["CAUSAL"] or constexprs["LISTED"]))
 
 
 @functools.lru_cache(maxsize=4)
