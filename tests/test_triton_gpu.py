@@ -1279,7 +1279,7 @@ def test_direct_launch_key_follows_triton():
 
 def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
     """The default Gluon builds of the headline shapes (forward D=128, both variants; student
-    backward D=128, causal and not) compiled for sm_90a, then through triton's own ptxas with
+    backward D=128 and D=64, causal and not) compiled for sm_90a, then through triton's own ptxas with
     --verbose: ptxas did not serialize their wgmma (its C7514 notice: a non-wgmma instruction
     reading an in-flight accumulator, which makes every product wait for the one before; seen in
     the ninth session on a variant that carried in-flight products across its loop's back edge),
@@ -1304,6 +1304,8 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         "    'backward both sides listed': (False, lambda: b.compile_for_hopper(bf16, 128, False, True, both=True)),\n"
         "    'backward D64 packed tails gqa': (False, lambda: b.compile_for_hopper(fp16, 64, False, False, True, True,"
         " True, True)),\n"
+        "    'backward D64 (EARLY_P, DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, False)),\n"
+        "    'backward D64 causal (DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, True)),\n"
         "}\n"
         "out = {}\n"
         "with tempfile.TemporaryDirectory() as tmp:\n"
