@@ -577,7 +577,11 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
     small = BlockMask.from_dense(torch.ones(1, 1, 4, 4, dtype=torch.bool), 64)
     assert default_and_forced(*case()) == (True, True)
     assert default_and_forced(*case(causal=True, n=(200, 77))) == (True, True)  # tails, empty rows
+    assert default_and_forced(*case(dims=(64, 64))) == (True, True)  # with EARLY_SIDE1 (seventeenth session)
+    assert default_and_forced(*case(dims=(64, 64), causal=True, n=(200, 77))) == (True, True)
+    monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", False)  # without it forward.py's kernel was faster
     assert default_and_forced(*case(dims=(64, 64))) == (False, True)
+    monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", True)
     assert default_and_forced(*case(dims=(128, 64))) == (False, True)
     assert default_and_forced(*case(dims=(128, 96))) == (False, False)
     assert default_and_forced(*case(dtype=torch.float32)) == (False, False)
@@ -743,8 +747,9 @@ def test_gluon_scope_rules_on_any_machine(monkeypatch):
 def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     """With no switch set, an sm_90 GPU runs the Gluon forward for 16-bit problems at head dim
     128, dense or block-masked (measured 0.73-0.77x the SDPA forward against the Triton kernel's
-    0.89x; 0.56 against 0.71 ms at 90 % block sparsity), and the Triton kernel at head dim 64
-    (Gluon measured slower there), for grids the Triton kernel splits over the keys, with a window
+    0.89x; 0.56 against 0.71 ms at 90 % block sparsity) and at head dim 64 without block masks
+    (with EARLY_SIDE1, seventeenth session), the Triton kernel at head dim 64 with block masks,
+    for different head dims, for grids the Triton kernel splits over the keys, with a window
     alone, and when STREAMKL_GLUON=0; the Gluon student backward at head dim 128 without a window
     alone, causal or not (non-causal since the ninth session) or with block masks (its float32 dq2
     in head chunks where backward.py's would be; partial tiles and side-2 GQA since the eighth
@@ -769,42 +774,45 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
     assert len(calls) == 2 and not bwd_calls  # varlen
     x = make_inputs((2, 256), (2, 256), 4, (4, 4), (64, 64), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton")
-    assert len(calls) == 2  # D=64: the Triton kernel
+    assert len(calls) == 3  # D=64: Gluon with EARLY_SIDE1 (seventeenth session)
+    mask64 = streamkl.BlockMask.from_dense(torch.ones(2, 1, 2, 2, dtype=torch.bool, device=DEVICE), 128)
+    check_against_reference(x, "triton", mask2=mask64)
+    assert len(calls) == 3  # D=64 with block masks: the Triton kernel (the Gluon one not measured there)
     x = make_inputs((2, 256), (2, 256), 4, (4, 4), (128, 64), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton")
-    assert len(calls) == 2  # different head dims: the Triton kernel by default (not yet timed)
+    assert len(calls) == 3  # different head dims: the Triton kernel by default (not yet timed)
     x = make_inputs((1, 128), (1, 65536), 1, (1, 1), (128, 128), torch.bfloat16, DEVICE)
     check_against_reference(x, "triton", causal=True)
-    assert len(calls) == 2  # one query tile against 512 key tiles: the split-K Triton kernel
+    assert len(calls) == 3  # one query tile against 512 key tiles: the split-K Triton kernel
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", window=(100, 20))
     # a window alone: the Triton forward (the Gluon one not measured there), the Gluon backward
     # (tenth session: 1.14 against 1.40 ms at (1024, 0), N=16K)
-    assert len(calls) == 2 and len(bwd_calls) == 1
+    assert len(calls) == 3 and len(bwd_calls) == 1
     check_against_reference(x, "triton")
-    assert len(calls) == 3 and len(bwd_calls) == 2  # dense non-causal: the Gluon backward (ninth session)
+    assert len(calls) == 4 and len(bwd_calls) == 2  # dense non-causal: the Gluon backward (ninth session)
     check_against_reference(x, "triton", causal=True)
-    assert len(calls) == 4 and len(bwd_calls) == 3  # dense causal: the Gluon backward
+    assert len(calls) == 5 and len(bwd_calls) == 3  # dense causal: the Gluon backward
     monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", 2)
     check_against_reference(x, "triton", causal=True)  # its dq2 accumulated one head chunk at a time
-    assert len(calls) == 5 and len(bwd_calls) == 4
+    assert len(calls) == 6 and len(bwd_calls) == 4
     monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", None)
     g = torch.Generator(device=DEVICE).manual_seed(1)
     masks = [streamkl.BlockMask.from_dense(torch.rand(1, 2, 2, 2, device=DEVICE, generator=g) < 0.7, 128)
              for _ in range(2)]
     check_against_reference(x, "triton", mask1=masks[0], mask2=masks[1])
-    assert len(calls) == 6 and len(bwd_calls) == 5  # block masks: both Gluon kernels, through the lists
+    assert len(calls) == 7 and len(bwd_calls) == 5  # block masks: both Gluon kernels, through the lists
     cu = torch.tensor([0, 256, 384, 768], dtype=torch.int32, device=DEVICE)
     x = make_inputs((768,), (768,), 2, (2, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True, cu_seqlens=cu)
-    assert len(calls) == 7 and len(bwd_calls) == 6  # packed sequences of whole tiles, causal: Gluon both ways
+    assert len(calls) == 8 and len(bwd_calls) == 6  # packed sequences of whole tiles, causal: Gluon both ways
     x = make_inputs((1, 200), (1, 320), 4, (2, 2), (128, 128), torch.bfloat16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True)
-    assert len(calls) == 8 and len(bwd_calls) == 7  # partial tiles and side-2 GQA (eighth session): Gluon
+    assert len(calls) == 9 and len(bwd_calls) == 7  # partial tiles and side-2 GQA (eighth session): Gluon
     monkeypatch.setenv("STREAMKL_GLUON", "0")
     x = make_inputs((1, 256), (1, 256), 2, (2, 2), (128, 128), torch.float16, DEVICE, (False, False, True, True))
     check_against_reference(x, "triton", causal=True)
-    assert len(calls) == 8 and len(bwd_calls) == 7  # STREAMKL_GLUON=0: neither
+    assert len(calls) == 9 and len(bwd_calls) == 7  # STREAMKL_GLUON=0: neither
 
 
 def _count_both_sides_calls(monkeypatch, **switches) -> list:
@@ -1134,8 +1142,8 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
     monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
     monkeypatch.setattr(gluon_forward, "OVERLAP", overlap is True)
-    # side 1's terms under side 2's product on full key tiles (EARLY_SIDE1, sixteenth session: off, not
-    # yet run on a GPU; every case below but the OVERLAP variant's takes it)
+    # side 1's terms under side 2's product on full key tiles (EARLY_SIDE1, the default since the
+    # seventeenth session; every case below but the OVERLAP variant's takes it): "plain" without it
     monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", overlap == "early1")
     calls = []
     original = gluon_forward.kl_forward
@@ -1278,7 +1286,7 @@ def test_direct_launch_key_follows_triton():
 
 
 def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
-    """The default Gluon builds of the headline shapes (forward D=128, both variants; student
+    """The default Gluon builds of the headline shapes (forward D=128 and D=64; student
     backward D=128 and D=64, causal and not) compiled for sm_90a, then through triton's own ptxas with
     --verbose: ptxas did not serialize their wgmma (its C7514 notice: a non-wgmma instruction
     reading an in-flight accumulator, which makes every product wait for the one before; seen in
@@ -1295,6 +1303,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         "builds = {\n"
         "    'forward': (True, lambda: f.compile_for_hopper(bf16, 128, False)),\n"
         "    'forward causal overlap': (True, lambda: f.compile_for_hopper(bf16, 128, True, True)),\n"
+        "    'forward causal (EARLY_SIDE1)': (True, lambda: f.compile_for_hopper(bf16, 128, True)),\n"
+        "    'forward D64 (EARLY_SIDE1)': (True, lambda: f.compile_for_hopper(bf16, 64, False)),\n"
+        "    'forward D64 causal (EARLY_SIDE1)': (True, lambda: f.compile_for_hopper(bf16, 64, True)),\n"
         "    'backward causal': (True, lambda: b.compile_for_hopper(bf16, 128, True)),\n"
         "    'backward non-causal': (True, lambda: b.compile_for_hopper(bf16, 128, False, vec2=True)),\n"
         "    'backward causal, dq2 by TMA reductions': (True, lambda: b.compile_for_hopper(bf16, 128, True,"
@@ -1612,7 +1623,7 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
 
 
 def test_gluon_forward_early_side1_scope(monkeypatch):
-    """`EARLY_SIDE1` (off: written in the sixteenth session, not yet timed) reaches the Gluon
+    """`EARLY_SIDE1` (on since the seventeenth session) reaches the Gluon
     forward's plain launches, causal or not, with a partial last key tile or not (the kernel takes
     it on the full tiles), not the OVERLAP variant or a window / block masks (host code only)."""
     gluon_forward = _gluon()
@@ -1625,7 +1636,9 @@ def test_gluon_forward_early_side1_scope(monkeypatch):
         x = [torch.randn(1, n, 4, 128, generator=g).to(torch.bfloat16) for n in (256, n_k, 256, n_k)]
         return gluon_forward.launch_plan(build_problem(*x, **kwargs), overlap)[1]["EARLY1"]
 
-    assert not early()  # (off by default)
+    assert early()  # (on by default)
+    monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", False)
+    assert not early() and not early(causal=True)
     monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", True)
     assert early() and early(causal=True) and early(n_k=300) and not early(overlap=True)
     x = [torch.randn(1, n, 4, 128, generator=g).to(torch.bfloat16) for n in (256, 256, 256, 256)]

@@ -106,14 +106,18 @@ def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
     """Whether the forward of this problem runs the Gluon kernel: where it applies, by default at
     head dim 128 on both sides, dense or with block masks (measured faster there: N=16K, 0.77x
     against 0.89x SDPA unmasked; with block masks 0.56 against 0.71 ms at 90 % sparsity, 4.7
-    against 7.0 ms at 0 %, seventh session), not with a window alone (not measured); everywhere it
-    applies when forced (head dim 64, different head dims, windows)."""
+    against 7.0 ms at 0 %, seventh session), not with a window alone (not measured); at head dim 64
+    on both sides without block masks or a window, with `EARLY_SIDE1` (N=16K: 3.38 against
+    forward.py's 3.53 ms, causal 1.77 against 1.96, back to back; without EARLY_SIDE1 the Gluon
+    kernel was the slower, 3.94 ms; seventeenth session); everywhere it applies when forced
+    (different head dims, block masks at D=64, windows)."""
     use = setting()
     if use is False:
         return False
     if use is None:
         window_only = listed(problem) and problem.mask1 is None and problem.mask2 is None
-        if problem.dim1 != 128 or problem.dim2 != 128 or window_only:
+        both64 = problem.dim1 == 64 and problem.dim2 == 64 and not listed(problem) and EARLY_SIDE1
+        if not (problem.dim1 == 128 and problem.dim2 == 128 or both64) or window_only:
             return False
     return applies(problem, q1, k1, q2, k2)
 
@@ -126,15 +130,12 @@ def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
 #: side's product and a side's exponentials are ~500 cycles each a tile and warpgroup. The
 #: warpgroup stores side 1's row sums to shared memory before the second wait: without that store
 #: ptxas sank all 64 exponentials a thread past the wait (keeping only the maxima before it); with
-#: it all 64 stay before (sm_90a SASS). Sixteenth session, written after its device time was
-#: spent: simulated (`gluon_simulate.py --early-side1`; a mutation of the second half fails it),
-#: sm_90a builds spill-free and not serialized, default builds' PTX unchanged; not yet run on a
-#: GPU: off. To try: `test_gluon_forward_matches_reference[early-side1]` (GPU), then `ab_trees.py
-#: --flip backends.triton.gluon_forward.EARLY_SIDE1=True --cases "fwd D=128,fwd D=128 causal"`;
-#: at D=64 the default forward is forward.py's: `--flip "backends.triton.gluon_forward.USE_GLUON=
-#: True,backends.triton.gluon_forward.EARLY_SIDE1=True" --cases "fwd D=64,fwd D=64 causal"`
-#: compares the two.
-EARLY_SIDE1 = False
+#: it all 64 stay before (sm_90a SASS). Written in the sixteenth session; seventeenth, on the H200
+#: (N=16K, H=16, bf16; `ab_trees.py --flip`, back to back, `ab_early_side1_h200.jsonl`): D=128
+#: 4.84 -> 4.39 ms, causal 2.44 -> 2.22; at D=64, where it makes the Gluon kernel faster than
+#: forward.py's (3.94 -> 3.38 ms against 3.53), the default forward there (`chosen`). On.
+#: `test_gluon_forward_matches_reference[plain]` keeps the other path tested.
+EARLY_SIDE1 = True
 
 
 def early_side1(constexprs: dict, switch: bool | None = None) -> bool:
