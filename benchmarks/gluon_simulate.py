@@ -12,6 +12,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     /tmp/tvenv/bin/pip install ml_dtypes anytree z3-solver==4.15.3.0 pyarrow tqdm flask
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py        # ~15 s: eight problems
     ... --early-side1  # the forward taking side 1's terms under side 2's product (EARLY_SIDE1)
+    ... --early-side1-listed --new  # that on block-mask / window launches too (EARLY_SIDE1_LISTED)
     /tmp/tvenv/bin/python benchmarks/gluon_simulate.py --backward    # the student backward (gluon_backward.py)
     ... --backward --atomics    # with dq2 added by atomics (DQ_TMA off);  --backward --both: all four gradients
     ... --backward [--both] --ahead  # each step's statistics loaded a step ahead (STATS_AHEAD)
@@ -424,6 +425,10 @@ def main():
             from streamkl.backends.triton import gluon_forward
 
             gluon_forward.EARLY_SIDE1 = True
+        if "--early-side1-listed" in sys.argv:  # and on block-mask / window launches (EARLY_SIDE1_LISTED)
+            from streamkl.backends.triton import gluon_forward
+
+            gluon_forward.EARLY_SIDE1_LISTED = True
         if "--new" in sys.argv:  # only the cases added last
             cases = cases[14:]
         worst = max(simulate(triton_viz, client, *case) for case in cases)

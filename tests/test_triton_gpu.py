@@ -1050,7 +1050,8 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
     [(torch.bfloat16, 128, False, False), (torch.float16, 64, True, True), (torch.bfloat16, (128, 64), True, False),
      (torch.bfloat16, 128, False, "early-side1"),
      (torch.bfloat16, 128, True, "varlen"),
-     (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, True, None),
+     (torch.bfloat16, 128, True, "listed"), (torch.bfloat16, 128, False, "listed-early-side1"),
+     (torch.bfloat16, 128, True, None),
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
      (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-dk-defer"),
@@ -1060,7 +1061,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-early-side1",
          "bf16-D128-causal-varlen",
-         "bf16-D128-causal-listed", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
+         "bf16-D128-causal-listed", "bf16-D128-listed-early-side1", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
          "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
          "backward-bf16-D64-p-sink", "backward-bf16-D128-dq-defer", "backward-bf16-D64-causal-dq-defer",
@@ -1098,6 +1099,8 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, False, True, True, True, True, tma_dq=False)"
     elif overlap == "early-side1":  # the forward taking side 1's terms under side 2's product (EARLY_SIDE1)
         call = f"g.compile_for_hopper({call}, early1=True)"
+    elif overlap == "listed-early-side1":  # that on the schedule's lists' full tiles (EARLY_SIDE1_LISTED)
+        call = f"g.compile_for_hopper({call}, False, True, True, early1=True)"
     elif overlap == "varlen":  # packed sequences (their lengths read in the kernel), plain variant
         call = f"g.compile_for_hopper({call}, False, True)"
     elif overlap == "listed":  # the schedule's key-tile lists (block masks, windows), packed sequences
@@ -1118,7 +1121,7 @@ def test_gluon_kernels_compile_for_hopper(config):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
         assert instruction in result["ptx"], instruction
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
-    if overlap in ("early-side1", "backward-early-p", "backward-p-sink"):  # a wait for the first product alone
+    if overlap in ("early-side1", "listed-early-side1", "backward-early-p", "backward-p-sink"):  # a wait for the first product alone
         assert "wgmma.wait_group.sync.aligned 1;" in result["ptx"]
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
@@ -1145,6 +1148,8 @@ def test_gluon_forward_matches_reference(overlap, monkeypatch):
     # side 1's terms under side 2's product on full key tiles (EARLY_SIDE1, the default since the
     # seventeenth session; every case below but the OVERLAP variant's takes it): "plain" without it
     monkeypatch.setattr(gluon_forward, "EARLY_SIDE1", overlap == "early1")
+    # and on the block-mask / window cases (EARLY_SIDE1_LISTED, seventeenth session)
+    monkeypatch.setattr(gluon_forward, "EARLY_SIDE1_LISTED", overlap == "early1")
     calls = []
     original = gluon_forward.kl_forward
     monkeypatch.setattr(gluon_forward, "kl_forward", lambda *a: calls.append(1) or original(*a))
@@ -1625,7 +1630,8 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
 def test_gluon_forward_early_side1_scope(monkeypatch):
     """`EARLY_SIDE1` (on since the seventeenth session) reaches the Gluon
     forward's plain launches, causal or not, with a partial last key tile or not (the kernel takes
-    it on the full tiles), not the OVERLAP variant or a window / block masks (host code only)."""
+    it on the full tiles), with a window or block masks (`EARLY_SIDE1_LISTED`), not the OVERLAP
+    variant (host code only)."""
     gluon_forward = _gluon()
     from streamkl.problem import build_problem
     from streamkl.sparse.schedule import get_schedule
@@ -1643,4 +1649,7 @@ def test_gluon_forward_early_side1_scope(monkeypatch):
     assert early() and early(causal=True) and early(n_k=300) and not early(overlap=True)
     x = [torch.randn(1, n, 4, 128, generator=g).to(torch.bfloat16) for n in (256, 256, 256, 256)]
     masked = build_problem(*x, window=(64, 0))  # (block masks and windows: the lists, not this)
+    assert gluon_forward.launch_plan(masked, False, get_schedule(masked, 128, 128))[1]["EARLY1"]  # (on)
+    monkeypatch.setattr(gluon_forward, "EARLY_SIDE1_LISTED", False)
     assert not gluon_forward.launch_plan(masked, False, get_schedule(masked, 128, 128))[1]["EARLY1"]
+    assert not early(overlap=True)
