@@ -1061,7 +1061,8 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-early-side1",
          "bf16-D128-causal-varlen",
-         "bf16-D128-causal-listed", "bf16-D128-listed-early-side1", "backward-bf16-D128-causal", "backward-bf16-D128-causal-listed",
+         "bf16-D128-causal-listed", "bf16-D128-listed-early-side1", "backward-bf16-D128-causal",
+         "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
          "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
          "backward-bf16-D64-p-sink", "backward-bf16-D128-dq-defer", "backward-bf16-D64-causal-dq-defer",
@@ -1121,7 +1122,8 @@ def test_gluon_kernels_compile_for_hopper(config):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
         assert instruction in result["ptx"], instruction
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
-    if overlap in ("early-side1", "listed-early-side1", "backward-early-p", "backward-p-sink"):  # a wait for the first product alone
+    if overlap in ("early-side1", "listed-early-side1", "backward-early-p", "backward-p-sink"):
+        # a wait for the first product alone
         assert "wgmma.wait_group.sync.aligned 1;" in result["ptx"]
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
