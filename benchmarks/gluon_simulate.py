@@ -19,7 +19,6 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --both --diag-last  # causal: the diagonal's steps last (DIAG_LAST)
     ... --backward [--both] --listed-loops  # masks: the full pairs' loop, then the partial's
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
-    ... --backward --three-wg  # D=64: three consumer warpgroups over 192 keys (THREE_WG)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
     ... --backward --p-sink  # EARLY_P everywhere, p's row sums stored before the second wait (EARLY_P_SINK)
     ... --backward --dq-defer [--split64]  # each dq product waited for in the next step (DQ_DEFER)
@@ -293,7 +292,6 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     extra = (f" masks {masks}" if masks is not None else "") + (f" window {window}" if window != (-1, -1) else "")
     extra += f" in {chunks} head chunks" if chunks > 1 else ""
     extra += f" Hk2 {heads_k2}" if heads_k2 else ""
-    extra += " THREE_WG" if gluon_backward.key_tile(problem) == 192 else ""
     what = f"varlen {batch}" if isinstance(batch, list) else f"B{batch} Nq{n_q} Nk{n_k}"
     print(f"backward {what} H{heads} Hk1 {heads_k1} D{dim} causal={causal}{extra}: relative L2 error "
           f"dq2 {errors[0]:.1e}, dk2 {errors[1]:.1e} ({time.time() - start:.1f} s)", flush=True)
@@ -316,7 +314,7 @@ def _wrapper_launches(kernel, chunks, flush):
 
     saved = common.direct_launch, backward.CHUNKS_OVERRIDE
 
-    def launch(target, grid, args, constexprs, num_warps, maxnreg=None):  # (registers: not simulated)
+    def launch(target, grid, args, constexprs, num_warps):
         return (flush if target is backward._flush_dq_kernel else kernel)[grid](*args, **constexprs,
                                                                                num_warps=num_warps)
 
@@ -519,18 +517,6 @@ def main():
                      ([(256, 128), (192, 384)], 0, 0, 1, False)))
         print(f"worst relative error {worst:.1e}")
         sys.exit(0 if worst < 2e-2 else 1)
-    if "--three-wg" in sys.argv:  # three consumer warpgroups over 192 keys (THREE_WG: D=64, dense)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.THREE_WG = True
-        backward_cases = [  # whole tiles (ring and dS2 buffers wrapping), causal (DIAG loops), tails, GQA
-            (1, 384, 384, 2, 1, 64, False),
-            (1, 576, 576, 2, 1, 64, True),
-            (1, 256, 400, 2, 2, 64, False),
-            (1, 320, 400, 2, 1, 64, True),
-            (2, 448, 384, 4, 2, 64, False, torch.float16, None, (-1, -1), 1, 2),
-            (1, 192, 192, 1, 1, 64, False),
-        ]
     worst = max(simulate_backward(triton_viz, client, *case) for case in backward_cases)
     print(f"worst relative error {worst:.1e}")
     sys.exit(0 if worst < 2e-2 else 1)

@@ -1056,8 +1056,7 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
      (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-dk-defer"),
      (torch.bfloat16, 64, False, "backward-p-sink"), (torch.bfloat16, 128, False, "backward-dq-defer"),
-     (torch.bfloat16, 64, True, "backward-dq-defer"), (torch.bfloat16, 64, False, "backward-three-wg"),
-     (torch.bfloat16, 64, True, "backward-three-wg"),
+     (torch.bfloat16, 64, True, "backward-dq-defer"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-early-side1",
@@ -1067,7 +1066,6 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
          "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
          "backward-bf16-D64-p-sink", "backward-bf16-D128-dq-defer", "backward-bf16-D64-causal-dq-defer",
-         "backward-bf16-D64-three-wg", "backward-bf16-D64-causal-three-wg",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1090,8 +1088,6 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, dq_defer=True)"
     elif overlap == "backward-p-sink":  # EARLY_P with p's row sums stored before the second wait
         call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True, p_sink=True)"
-    elif overlap == "backward-three-wg":  # D=64, three consumer warpgroups over 192 keys (THREE_WG)
-        call = f"g.gluon_backward.compile_for_hopper({call}, wg3=True)"
     elif overlap == "backward-dk-defer":  # each step's dk product waited for in the next step (DK_DEFER)
         call = f"g.gluon_backward.compile_for_hopper({call}, dk_defer=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
@@ -1125,17 +1121,13 @@ def test_gluon_kernels_compile_for_hopper(config):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
         assert instruction in result["ptx"], instruction
-    # two consumer warpgroups (THREE_WG: three) and the producer's (padded) warpgroup
-    assert result["num_warps"] == (16 if overlap == "backward-three-wg" else 12)
-    if overlap == "backward-three-wg":  # 128 registers a thread at launch: 512 threads fit an SM's 64K
-        assert ".maxnreg 128" in result["ptx"]
+    assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
     if overlap in ("early-side1", "listed-early-side1", "backward-early-p", "backward-p-sink"):
         # a wait for the first product alone
         assert "wgmma.wait_group.sync.aligned 1;" in result["ptx"]
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
     elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p", "backward-dk-defer",
-                     "backward-three-wg",
                      "backward-p-sink", "backward-dq-defer", "backward-both-diag-last",
                      "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
@@ -1581,80 +1573,6 @@ def test_gluon_backward_kept_plans_match_launch_args(masked, monkeypatch):
         is plans  # (the problem's schedule is cached: the same object)
     monkeypatch.setattr(gluon_backward, "HEAVY_FIRST", False)
     assert gluon_backward._plans(problem, lse, rows, accum, dk, schedule, None, False, 2) is not plans
-
-
-@gpu
-def test_gluon_three_warpgroup_backward_matches_reference(monkeypatch):
-    """THREE_WG (seventeenth session): the D=64 student kernel with three consumer warpgroups over
-    192 keys, against the float64 reference: whole tiles (the query ring and the three dS2 buffers
-    wrapping), causal (DIAG loops), lengths that are not multiples of 192 keys / 64 rows (TAIL),
-    GQA on either side, float16 (g rescaled), Nk > Nq, more heads than one head chunk; then a long
-    causal loss against the two-warpgroup kernel. Fewer than 192 keys keep two warpgroups."""
-    from streamkl.backends.triton import gluon_backward
-
-    _gluon()
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
-    monkeypatch.setattr(gluon_backward, "THREE_WG", True)
-    keys = []
-    original = gluon_backward.kl_backward
-    monkeypatch.setattr(gluon_backward, "kl_backward",
-                        lambda problem, *a: keys.append(gluon_backward.key_tile(problem)) or original(problem, *a))
-    bf16, fp16 = torch.bfloat16, torch.float16
-    cases = [(False, 384, 384, (2, 4), bf16), (True, 576, 576, (4, 4), bf16), (False, 256, 400, (2, 4), fp16),
-             (True, 320, 400, (4, 4), bf16), (False, 448, 384, (4, 2), bf16), (True, 192, 192, (1, 1), fp16),
-             (False, 1000, 2000, (4, 4), bf16), (False, 200, 150, (4, 4), bf16)]
-    for causal, n_q, n_k, heads_k, dtype in cases:
-        x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (64, 64), dtype, DEVICE, (False, False, True, True))
-        check_against_reference(x, "triton", causal=causal)
-    assert keys == [192] * 7 + [128]  # (150 keys: two warpgroups)
-    x = make_inputs((1, 4096), (1, 4096), 16, (16, 16), (64, 64), bf16, DEVICE, (False, False, True, True))
-    got = torch.autograd.grad(streamkl.kl(*x, backend="triton", causal=True), x[2:])
-    monkeypatch.setattr(gluon_backward, "THREE_WG", False)
-    want = torch.autograd.grad(streamkl.kl(*x, backend="triton", causal=True), x[2:])
-    assert keys[-2:] == [192, 128]
-    for a, b in zip(got, want):
-        assert rel_l2(a.float(), b.float()) < 1e-2
-
-
-def test_gluon_three_warpgroup_scope(monkeypatch):
-    """`THREE_WG` (off until timed) reaches the student kernel at D=64 over dense sequences of at
-    least 192 keys, not BOTH, packed sequences, block masks or windows, D=128, or with the
-    switches it has no code for (DQ_SPLIT64, DQ_DEFER, EARLY_P_SINK); its launches take 192-key
-    programs, three query stages, 16 warps at 128 registers (host code only)."""
-    from streamkl.backends.triton import gluon_backward
-    from streamkl.problem import build_problem
-
-    _gluon()
-    g = torch.Generator().manual_seed(3)
-
-    def problem(n_q=384, n_k=384, d=64, **kwargs):
-        x = [torch.randn(1, n, 4, d, generator=g).to(torch.bfloat16) for n in (n_q, n_k, n_q, n_k)]
-        return build_problem(*x, **kwargs)
-
-    dense = problem()
-    assert not gluon_backward.three_wg(dense, False)  # (off by default)
-    monkeypatch.setattr(gluon_backward, "THREE_WG", True)
-    assert gluon_backward.three_wg(dense, False) and gluon_backward.three_wg(problem(causal=True), False)
-    assert gluon_backward.three_wg(problem(200, 300), False)  # (tails)
-    assert not gluon_backward.three_wg(dense, True)  # BOTH
-    assert not gluon_backward.three_wg(problem(d=128), False)
-    assert not gluon_backward.three_wg(problem(128, 128), False)  # fewer keys than a program's
-    assert not gluon_backward.three_wg(problem(window=(64, 0)), False)
-    mask = streamkl.BlockMask.from_dense(torch.ones(1, 1, 3, 3, dtype=torch.bool), 128)
-    assert not gluon_backward.three_wg(problem(mask2=mask), False)
-    for name in ("DQ_SPLIT64", "DQ_DEFER", "EARLY_P_SINK"):
-        monkeypatch.setattr(gluon_backward, name, True)
-        assert not gluon_backward.three_wg(dense, False), name
-        monkeypatch.setattr(gluon_backward, name, False)
-    lse = torch.zeros(1, 4, 384)
-    grid, fixed, constexprs = gluon_backward.launch_plan(dense, lse, torch.zeros(1, 384, 4), torch.zeros(1, 384, 4, 64),
-                                                         torch.zeros(1, 384, 4, 64))
-    assert grid == (2 * 4,) and constexprs["WGS"] == 3 and constexprs["STAGES"] == 3 and not constexprs["TAIL"]
-    assert gluon_backward.max_registers(constexprs) == 128
-    tail = problem(384, 400)
-    assert gluon_backward.launch_plan(tail, lse, torch.zeros(1, 384, 4), torch.zeros(1, 384, 4, 64),
-                                      torch.zeros(1, 400, 4, 64))[2]["TAIL"]
 
 
 def test_gluon_backward_early_p_scope(monkeypatch):

@@ -319,20 +319,16 @@ def launch_hooks_active() -> bool:
     return False
 
 
-def direct_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int | None = None,
-                  maxnreg: int | None = None):
+def direct_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int | None = None):
     """`kernel[grid](*args, **constexprs, num_warps=num_warps)`, but from the second call of a
     configuration on through the compiled kernel's own launcher: Triton's launch path binds and
     specializes every argument in Python first (~30 us a launch on the H200's host, measured by
     benchmarks/host_timeline.py: 46 against 16 us). The configuration is the kernel, the device,
     the constexprs and each runtime argument's specialization (`_arg_keys`). Launch hooks (a
-    profiler's) take Triton's path. `maxnreg`: registers a thread at launch (Triton's option)."""
+    profiler's) take Triton's path."""
     options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
     try:
-        key = (kernel, torch.cuda.current_device(), num_warps, num_stages, maxnreg, *constexprs.items(),
-               _arg_keys(args))
+        key = (kernel, torch.cuda.current_device(), num_warps, num_stages, *constexprs.items(), _arg_keys(args))
         entry = _COMPILED.get(key)
     except (_Unkeyed, TypeError):  # (TypeError: an unhashable constexpr)
         return kernel[grid](*args, **constexprs, **options)

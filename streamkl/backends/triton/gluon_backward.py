@@ -314,9 +314,9 @@ if GLUON_IMPORT_ERROR is None:
         _tma_reduce_add(dq_desc, [row, col], dq_smem)
 
     @gluon.jit
-    def _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M: gl.constexpr, KEYS: gl.constexpr = 128):
+    def _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M: gl.constexpr):
         """DIAG: how many of a causal program's steps, from its first, meet the diagonal (masked)."""
-        x = gl.maximum(k0 + KEYS - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
+        x = gl.maximum(k0 + 2 * 64 - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
         return gl.minimum(gl.maximum((x + BLOCK_M - 1) // BLOCK_M - first_tile, 0), n_tiles)
 
     @gluon.jit
@@ -441,16 +441,13 @@ if GLUON_IMPORT_ERROR is None:
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
                       LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr,
-                      EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr, WGS: gl.constexpr = 2):
+                      EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
         each warpgroup its DQ_COLS columns every tile (D=128: 64; D=64 with DQ_SPLIT64: 32), or at
-        D=64 with DQ_COLS 64 one warpgroup all 64 (turns by tile parity). WGS = 3 (`THREE_WG`): three
-        consumer warpgroups, 192 keys, dS2 in three buffers, the dq2 turns by step modulo 3."""
+        D=64 with DQ_COLS 64 one warpgroup all 64 (turns by tile parity)."""
         HALF: gl.constexpr = 64
-        NBUF: gl.constexpr = 2 if WGS == 2 else 3  # dS2 buffers (see below)
-        gl.static_assert(WGS == 2 or (D == DQ_COLS and not BOTH and not DQ_DEFER and not LISTED))
         # the score tiles [rows, keys] (S = q k^T: the rows across the wgmma M dimension, each thread
         # two rows' statistics; as S^T = k q^T, before the eleventh session, sixteen rows' a thread)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -460,12 +457,8 @@ if GLUON_IMPORT_ERROR is None:
         key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
-        if WGS == 3:  # (the key tiles in three [64, D] pieces)
-            ka1 = k1_smem.index(WG)
-            ka2 = k2_smem.index(WG)
-        else:
-            ka1 = k1_smem.slice(WG * HALF, HALF)
-            ka2 = k2_smem.slice(WG * HALF, HALF)
+        ka1 = k1_smem.slice(WG * HALF, HALF)
+        ka2 = k2_smem.slice(WG * HALF, HALF)
         gl.static_assert(BLOCK_M == HALF)  # (the layout above: both dims of a score tile 64)
         zero_s = gl.zeros([BLOCK_M, HALF], gl.float32, s_layout)
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -489,7 +482,7 @@ if GLUON_IMPORT_ERROR is None:
         # DIAG (causal, dense whole tiles, no GQA): two loops, the steps on the diagonal (masked) then
         # the rest (no mask: with BOTH the masks' registers made ptxas spill in every step)
         if DIAG:
-            n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M, 64 * WGS)
+            n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
         elif LSPLIT:  # LISTED_LOOPS: the full pairs' steps (listed first), then the partial pairs'
             n_diag = gl.minimum(2 * n_full_listed, n_tiles)
         else:
@@ -647,24 +640,16 @@ if GLUON_IMPORT_ERROR is None:
                 # dS2 through shared memory, the tile's [rows, 128 keys] (the warpgroups' halves side
                 # by side): dk2 += dS2^T q2 reads this warpgroup's half transposed, dq2 = dS2 k2 both.
                 # Buffer i % 2: its previous readers (tile i - 2) are done, since the other
-                # warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2.
-                # WGS = 3: buffer i % 3, last read by the dq2 product of step i - 3, which warpgroup
-                # (i - 3) % 3 ran before its arrivals of steps i - 2 and i - 1, one of which every
-                # other warpgroup waited for at its own turn (two buffers would not do: the warpgroup
-                # whose turn is step i waits for nothing between steps i - 2 and i)
-                if WGS == 3:  # (a shared tile [64, 192] is not allowed: three [64, 64] pieces a buffer)
-                    ds_all = ds_smem
-                    ds_own = ds_smem.index((i % NBUF) * 3 + WG)
-                else:
-                    ds_all = ds_smem.index(i % NBUF)
-                    ds_own = ds_all.slice(WG * HALF, HALF, dim=1)
+                # warpgroup arrived on tile i - 1's barrier after its dq2 product of tile i - 2
+                ds_all = ds_smem.index(i % 2)
+                ds_own = ds_all.slice(WG * HALF, HALF, dim=1)
                 ds_own.store(ds_t)
                 if BOTH:
                     ds1_all = ds1_smem.index(i % 2)
                     ds1_own = ds1_all.slice(WG * HALF, HALF, dim=1)
                     ds1_own.store(ds1.to(ds_smem.dtype))
                 hopper.fence_async_shared()
-                mbarrier.arrive(ds_bar.index(i % NBUF), count=1)
+                mbarrier.arrive(ds_bar.index(i % 2), count=1)
                 # dS^T as a transposed (MN-major) shared operand
                 ds_own = ds_own.permute((1, 0))
                 if BOTH:
@@ -716,17 +701,9 @@ if GLUON_IMPORT_ERROR is None:
                                        dq_col + h_in * D + WG * 64)
                     else:
                         _add_dq(p_rows + (WG * DQ_COLS + o_dq_col)[None, :], dq * out_scale2, VEC)
-                elif i % WGS == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
-                    mbarrier.wait(ds_bar.index(i % NBUF), (i // NBUF) & 1)
-                    if WGS == 3:  # over the buffer's three pieces
-                        piece = (i % NBUF) * 3
-                        dq = hopper.warpgroup_mma(ds_all.index(piece), kb2.index(0), zero_q, use_acc=False,
-                                                  is_async=True)
-                        dq = hopper.warpgroup_mma(ds_all.index(piece + 1), kb2.index(1), dq, is_async=True)
-                        dq = hopper.warpgroup_mma(ds_all.index(piece + 2), kb2.index(2), dq, is_async=True)
-                        dq = hopper.warpgroup_mma_wait(0, deps=[dq])
-                    else:
-                        dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
+                elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
+                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                    dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:
                         _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
                     else:
@@ -763,8 +740,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr, EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr,
-                        WGS: gl.constexpr = 2):
+                        DK_DEFER: gl.constexpr, EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -772,29 +748,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER, EARLY_P_SINK, DQ_DEFER, WGS)
-
-    @gluon.jit
-    def _bwd_consumer_2(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
-                        LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                        stride_sn, stride_gn, stride_dqn, stride_dkn,
-                        k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                        n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                        n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
-                        D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
-                        DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
-                        AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr, EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr,
-                        WGS: gl.constexpr = 2):
-        _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
-                      LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                      stride_sn, stride_gn, stride_dqn, stride_dkn,
-                      k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                      n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
-                      n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
-                      2, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER, EARLY_P_SINK, DQ_DEFER, WGS)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER, EARLY_P_SINK, DQ_DEFER)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -838,11 +792,7 @@ if GLUON_IMPORT_ERROR is None:
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
         EARLY_P_SINK: gl.constexpr,  # EARLY_P: p's row sums stored before the second wait (`EARLY_P_SINK`)
         DQ_DEFER: gl.constexpr,  # student, every step's dq piece: waited for and reduced in the next step
-        WGS: gl.constexpr,  # consumer warpgroups (2; 3 with `THREE_WG`: 192 keys a program)
     ):
-        KEYS: gl.constexpr = 64 * WGS  # this program's key tile
-        HALF_K: gl.constexpr = 64  # one consumer warpgroup's keys
-        NBUF: gl.constexpr = 2 if WGS == 2 else 3  # dS2 buffers (`_bwd_consumer`)
         pid = gl.program_id(0)
         if ORDERED:
             pid = gl.load(ORDER + pid)
@@ -863,7 +813,7 @@ if GLUON_IMPORT_ERROR is None:
         else:
             head = head_lo + pid_bh % heads
             head2 = head
-        k_fresh = pid_k * KEYS  # this program's keys from here (earlier ones: the tile before)
+        k_fresh = pid_k * 128  # this program's keys from here (earlier ones: the tile before)
         if VARLEN:  # packed sequences: rows start_q ..., keys start_k ...; grid sized by the longest
             start_q = gl.load(CU_Q + seq)
             seqlen_q = gl.load(CU_Q + seq + 1) - start_q
@@ -881,7 +831,7 @@ if GLUON_IMPORT_ERROR is None:
                 return
         k0 = k_fresh
         if TAIL:  # a last partial key tile shifted back to end at the sequence's last key
-            k0 = gl.minimum(k_fresh, seqlen_k - KEYS)
+            k0 = gl.minimum(k_fresh, seqlen_k - 128)
         offset = seqlen_k - seqlen_q
         first_tile = 0
         if CAUSAL:  # query rows i see key k_fresh once i + offset >= k_fresh
@@ -908,32 +858,23 @@ if GLUON_IMPORT_ERROR is None:
 
         q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
-        if WGS == 3:  # three [64, D] pieces (shared tiles' dims are powers of two)
-            k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [WGS, HALF_K, D], k1_desc.layout)
-            k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [WGS, HALF_K, D], k2_desc.layout)
-        else:
-            k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [KEYS, D], k1_desc.layout)
-            k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [KEYS, D], k2_desc.layout)
-        # two buffers (WGS = 3: three)
-        if WGS == 3:  # NBUF buffers of three [rows, 64 keys] pieces ([NBUF, 64, 192] is not allowed)
-            ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [NBUF * 3, BLOCK_M, HALF_K], DS_LAYOUT)
-        else:
-            ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [NBUF, BLOCK_M, KEYS], DS_LAYOUT)
+        k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
+        # two buffers
+        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
         if BOTH:
             ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
             both = (ds1_smem, DK1, EXPECT, dq1_desc, out_scale1)
         else:
             both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
         if DQ_TMA:  # each consumer warpgroup's float32 dq2 tile on its way to the TMA unit
-            dq_all = gl.allocate_shared_memory(gl.float32, [WGS, BLOCK_M, DQ_COLS], DQ_LAYOUT)
+            dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], DQ_LAYOUT)
             dq_smem0 = dq_all.index(0)
             dq_smem1 = dq_all.index(1)
-            dq_smem2 = dq_all.index(WGS - 1)
         else:
             dq_smem0 = ds_smem
             dq_smem1 = ds_smem
-            dq_smem2 = ds_smem
-        ds_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         if EARLY_P_SINK:  # each consumer warpgroup's p row sums, stored before it waits for side 2's product
             sink0 = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             sink1 = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -944,11 +885,11 @@ if GLUON_IMPORT_ERROR is None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(k_bar, count=1)
-        for s in gl.static_range(NBUF):
-            mbarrier.init(ds_bar.index(s), count=WGS)  # every consumer warpgroup's part stored
+        for s in gl.static_range(2):
+            mbarrier.init(ds_bar.index(s), count=2)  # both consumer warpgroups' halves stored
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=WGS)
+            mbarrier.init(empty.index(s), count=2)
         hopper.fence_async_shared()
 
         seq64 = seq.to(gl.int64)
@@ -961,79 +902,37 @@ if GLUON_IMPORT_ERROR is None:
         dq_col = (head - head_lo) * D  # DQ_TMA: the head's first column in the chunk's accumulator
         rot = 0
         if ROT:  # the producer's stream starts past the diagonal's steps
-            rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M, KEYS)
-        if WGS == 3:
-            gl.warp_specialize(
-                [
-                    (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink0,
-                                     LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                     stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                     k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                     n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                     k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                                     both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                     DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                     EARLY_P_SINK, DQ_DEFER, WGS)),
-                    (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                                       sink1,
-                                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                       stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                       n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                       k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row,
-                                       dq_col, both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                       DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                     EARLY_P_SINK, DQ_DEFER, WGS)),
-                    (_bwd_consumer_2, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                                       sink0,
-                                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                       stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                       n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                       k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem2, q_row,
-                                       dq_col, both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                       DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                     EARLY_P_SINK, DQ_DEFER, WGS)),
-                    (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
-                                         head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
-                                         q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
-                                         STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
-                                         n_per, D, GQA2, rot, ROT, WGS)),
-                ],
-                [4, 4, 1],
-                [160, 160, 24],  # (512 threads: three consumers' 160 and the producer's 24 of the 64K registers)
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink0,
-                                     LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                     stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                     k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                     n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                     k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                                     both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                     DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                     EARLY_P_SINK, DQ_DEFER, WGS)),
-                    (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                                       sink1,
-                                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                       stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                       n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                       k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row,
-                                       dq_col, both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                       DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                     EARLY_P_SINK, DQ_DEFER, WGS)),
-                    (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
-                                         head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
-                                         q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
-                                         STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
-                                         n_per, D, GQA2, rot, ROT)),
-                ],
-                [4, 1],
-                [240, 32],  # (the default partition gets the rest, 240; with 232 / 40 BOTH spilled 40 % more)
-            )
+            rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink0,
+                                 LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                                 stride_sn, stride_gn, stride_dqn, stride_dkn,
+                                 k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                 n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                                 k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
+                                 both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
+                                 EARLY_P_SINK, DQ_DEFER)),
+                (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+                                   sink1,
+                                   LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                                   stride_sn, stride_gn, stride_dqn, stride_dkn,
+                                   k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                   n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                                   k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
+                                   both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
+                                 EARLY_P_SINK, DQ_DEFER)),
+                (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
+                                     head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                                     q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
+                                     STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
+                                     n_per, D, GQA2, rot, ROT)),
+            ],
+            [4, 1],
+            [240, 32],  # (the default partition gets the rest, 240; with 232 / 40 BOTH spilled 40 % more)
+        )
 
 
 #: Causal dense launches (whole tiles, no GQA) run the steps on the diagonal in one loop and the
@@ -1149,52 +1048,11 @@ def dq_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
     return on and (constexprs["D"] == 64 or not (constexprs["CAUSAL"] or constexprs["LISTED"]))
 
 
-@functools.lru_cache(maxsize=8)
-def ds_shared_layout(dtype: torch.dtype, keys: int = BLOCK_N):
-    """The shared layout of a step's dS tile, [64 rows, 128 keys] (`THREE_WG`: 192) (cached, as every
-    layout built on the host a call: `get_default_for` is a constexpr function, ~10 us a call on the
-    H200's host)."""
-    if keys != BLOCK_N:  # (THREE_WG: [rows, 64 keys] pieces, a [64, 192] tile is not allowed)
-        return gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl_dtype(dtype))
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, keys], gl_dtype(dtype))
-
-
-#: The student kernel at D=64 with three consumer warpgroups over 192 keys a program instead of two
-#: over 128 (16 warps; 160 registers a consumer thread, where the D=64 consumer needs no more
-#: without spilling: sm_90a, seventeenth session), the query tiles streamed once for 192 keys, dS2
-#: in three buffers and the dq2 product's turns by step modulo 3. The D=64 kernel's step is bound
-#: by the latency between its dependent phases (fifteenth session's Nsight Compute: ~2750 cycles a
-#: step for ~1000 of tensor and ~1000 of exponential work an SM), which a third warpgroup can fill.
-#: Dense launches without packed sequences, student gradients, dq2 by TMA reductions of 64
-#: columns; lengths that are not multiples of 192 keys / 64 rows take the TAIL path. Seventeenth
-#: session: written and simulated, not yet timed: off.
-THREE_WG = False
-
-
-def three_wg(problem: Problem, both: bool) -> bool:
-    """Whether a launch runs three consumer warpgroups over 192 keys (`THREE_WG`'s scope)."""
-    if not THREE_WG or both or problem.dim2 != 64 or problem.is_varlen or problem.seqlen_k < 3 * 64:
-        return False
-    from streamkl.backends.triton.gluon_forward import listed
-
-    return bool(DQ_TMA) and dq_cols(64) == 64 and not DQ_DEFER and not EARLY_P_SINK and not listed(problem)
-
-
-def key_tile(problem: Problem, both: bool = False) -> int:
-    """Keys a program of the launch: 128, or 192 with `three_wg`."""
-    return 3 * 64 if three_wg(problem, both) else BLOCK_N
-
-
-def max_registers(constexprs: dict) -> int | None:
-    """Registers a thread at launch: with three consumer warpgroups (16 warps) 128, which the
-    partitions' setmaxnreg then share out (without it the launch asked for 168 a thread, more than
-    an SM has for 512 threads); else Triton's choice."""
-    return 128 if constexprs["WGS"] == 3 else None
-
-
-def key_box(keys: int) -> int:
-    """The key descriptors' box rows for a key tile (a power of two: 192 keys load as three 64s)."""
-    return keys if keys == BLOCK_N else 64
+@functools.lru_cache(maxsize=4)
+def ds_shared_layout(dtype: torch.dtype):
+    """The shared layout of a step's dS tile, [64 rows, 128 keys] (cached, as every layout built
+    on the host a call: `get_default_for` is a constexpr function, ~10 us a call on the H200's host)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl_dtype(dtype))
 
 
 @functools.lru_cache(maxsize=4)
@@ -1282,15 +1140,14 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     key-major view. `both`: BOTH's (dk1, expect, dq1 accumulator)."""
     grid, fixed, constexprs = launch_plan(problem, lse1, grad_rows, dq2, dk2, schedule, g_scale is None, head_lo,
                                           heads, both is not None)
-    args = call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale, both, key_box(64 * constexprs["WGS"]))
+    args = call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale, both)
     return grid, (*args, *(lse1 if t is None else t for t in fixed)), constexprs
 
 
-def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None, keys: int = BLOCK_N) -> tuple:
-    """The launch's leading arguments, those each call's tensors make: the inputs' descriptors (the
-    key tiles' boxes `keys` rows: `key_box`), the statistics, g, the accumulators and gradients
-    (and their descriptors), g's scale."""
-    descs = [flat_descriptor(t, box) for t, box in ((q1, BLOCK_M), (k1, keys), (q2, BLOCK_M), (k2, keys))]
+def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None) -> tuple:
+    """The launch's leading arguments, those each call's tensors make: the inputs' descriptors,
+    the statistics, g, the accumulators and gradients (and their descriptors), g's scale."""
+    descs = [flat_descriptor(t, box) for t, box in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
     return (
         *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2, dq_cols(dq2.shape[-1])) if DQ_TMA else descs[0],
         *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
@@ -1317,24 +1174,23 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
 
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
-    keys = key_tile(problem, both)
-    k_programs = -(-problem.seqlen_k // keys)
+    k_programs = -(-problem.seqlen_k // BLOCK_N)
     heads = problem.heads if heads is None else heads
     varlen = problem.is_varlen
     cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (None, None)
     is_listed = listed(problem)
     if is_listed:
         assert schedule is not None and (schedule.block_q, schedule.block_k) == (128, BLOCK_N)
-        key_lists = get_key_schedule(schedule)
-        lists = (key_lists.q_count, key_lists.q_full, key_lists.q_index, key_lists.q_partial)
-        list_strides = (*broadcast_strides(key_lists.q_count), *broadcast_strides(key_lists.q_index)[:3])
+        keys = get_key_schedule(schedule)
+        lists = (keys.q_count, keys.q_full, keys.q_index, keys.q_partial)
+        list_strides = (*broadcast_strides(keys.q_count), *broadcast_strides(keys.q_index)[:3])
         window = window_bounds(problem)
     else:
         lists, list_strides, window = (None,) * 4, (0,) * 6, (-1, -1)
     programs = k_programs * problem.batch * (heads // group2)
     grid_key_major = key_major(problem, programs)
     ordered = is_listed and bool(HEAVY_FIRST) and not grid_key_major  # (the table holds head-major ids)
-    order = heaviest_first(key_lists.q_count, problem.batch, head_lo, heads // group2, group2, k_programs) if ordered \
+    order = heaviest_first(keys.q_count, problem.batch, head_lo, heads // group2, group2, k_programs) if ordered \
         else None
     fixed = (
         cu_q, cu_k, *lists, order,
@@ -1345,14 +1201,10 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
         scale1, scale2, scale2 * LN2, scale1 * LN2, k_programs,
     )  # fmt: skip
     use_tma = bool(DQ_TMA)
-    ds_layout = ds_shared_layout(problem.dtype, keys)
-    if keys == BLOCK_N:
-        tail = not is_listed and tile_fit(problem) == "tail"
-    else:  # (THREE_WG: dense sequences, at least 192 keys)
-        tail = problem.seqlen_q % BLOCK_M != 0 or problem.seqlen_k % keys != 0
+    ds_layout = ds_shared_layout(problem.dtype)
     constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
-                      TAIL=tail, GQA2=group2 > 1, VEC=dq_vec(problem),
+                      TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
                       DQ_COLS=dq_cols(problem.dim2), AHEAD=stats_ahead(both))
     constexprs["DIAG"] = bool(DIAG_LOOPS) and problem.causal and not is_listed and not constexprs["TAIL"] \
@@ -1365,9 +1217,6 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DQ_DEFER"] = dq_defer_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
-    constexprs["WGS"] = keys // 64
-    if keys != BLOCK_N:  # three query stages: the third dS2 buffer and dq2 tile take the fourth's room
-        constexprs["STAGES"] = 3
     constexprs["KEY_MAJOR"] = grid_key_major
     constexprs["ORDERED"] = ordered
     return (programs,), fixed, constexprs
@@ -1477,7 +1326,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, EARLY_P_SINK, DQ_DEFER, THREE_WG)
+           DK_DEFER, DK_DEFER_EVERYWHERE, EARLY_P_SINK, DQ_DEFER)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1505,7 +1354,7 @@ def _launch(plan: list, args: tuple, lse1) -> None:
     if entry is not None and not launch_hooks_active():
         run_compiled(entry, grid, args)
         return
-    compiled = direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4, maxnreg=max_registers(constexprs))
+    compiled = direct_launch(_kl_bwd_gluon_kernel, grid, args, constexprs, 4)
     plan[3] = compiled_entry(_kl_bwd_gluon_kernel, compiled, len(args), constexprs)
 
 
@@ -1524,8 +1373,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     # with BOTH a reduced loss's g (one value expanded over the rows, strides 0) is read as it is (G_AS_IS)
     if not (both and G_AS_IS and not any(g.stride())):
         g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
-    keys = key_tile(problem, both)
-    chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // keys), group_sizes(problem)[1])
+    chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
     shape = (*q2.shape[:-2], per_chunk, q2.shape[-1])
     # the float32 accumulators (BOTH: dq2's and dq1's in one allocation, one zero fill); after each
@@ -1540,8 +1388,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     outs = (dq2, dq1) if both else (dq2,)
     plans = _plans(problem, lse1, g, accum2, dk2, schedule, g_scale, both, chunks)
     # every chunk: the same tensors (the accumulators flushed and zeroed between them)
-    args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None,
-                     key_box(keys))
+    args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None)
     for chunk, plan in enumerate(plans):
         lo = chunk * per_chunk
         _launch(plan, args, lse1)
@@ -1560,7 +1407,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, p_sink: bool | None = None,
-                       dq_defer: bool | None = None, wg3: bool = False):
+                       dq_defer: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
@@ -1568,15 +1415,13 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     product; `dk_defer`: each step's dk product waited for in the next step; `p_sink`: with early_p,
     p's row sums stored before the second wait; `dq_defer`: each step's dq piece waited for in the
     next step; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` /
-    `EARLY_P` / `DK_DEFER` / `EARLY_P_SINK` / `DQ_DEFER`; `wg3`: three consumer warpgroups over 192
-    keys, `THREE_WG`)."""
+    `EARLY_P` / `DK_DEFER` / `EARLY_P_SINK` / `DQ_DEFER`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
     cols = 32 if dim == 64 and dq_split and tma_dq else 64
-    keys = 192 if wg3 else BLOCK_N
-    t = torch.empty(2, keys, 4, dim, dtype=dtype)
-    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, key_box(keys), BLOCK_M, key_box(keys))]
+    t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
+    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
     stats = torch.empty(4, dtype=torch.float32)
     cu = torch.zeros(3, dtype=torch.int32)
     names = ("stride_sb", "stride_sh", "stride_sn", "stride_gb", "stride_gn", "stride_gh", "stride_dqb",
@@ -1594,7 +1439,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, out_scale1=0.5, k_programs=1024)
     constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
-                      DS_LAYOUT=ds_shared_layout(dtype, keys), LISTED=listed,
+                      DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(cols), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
                       DQ_COLS=cols, AHEAD=ahead,
@@ -1608,7 +1453,4 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     constexprs["EARLY_P_SINK"] = bool(EARLY_P_SINK if p_sink is None else p_sink) and constexprs["EARLY_P"]
     constexprs["DQ_DEFER"] = dq_defer_on(constexprs, dq_defer)
-    constexprs["WGS"] = 3 if wg3 else 2
-    if wg3:
-        constexprs["STAGES"] = 3
-    return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs, max_registers(constexprs))
+    return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)

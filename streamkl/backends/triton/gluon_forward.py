@@ -210,7 +210,7 @@ if GLUON_IMPORT_ERROR is None:
                           ring1_desc, ring2_desc, ring1_smem, ring2_smem, ready, empty, ring_row, ring1_col,
                           ring2_col, n_tiles, index, BLOCK: gl.constexpr, STAGES: gl.constexpr,
                           INDEXED: gl.constexpr, SUB: gl.constexpr, ring_last, CLAMP: gl.constexpr, n_per, col_step,
-                          CYCLE: gl.constexpr, rot=0, ROTATE: gl.constexpr = False, ONCE_PARTS: gl.constexpr = 1):
+                          CYCLE: gl.constexpr, rot=0, ROTATE: gl.constexpr = False):
         """The producer warp of both Gluon kernels: one tile of each side loaded once (the forward's
         queries, the backward's keys), then n_tiles tiles of each side, BLOCK rows apart from
         ring_row, streamed through the ring of STAGES slots (`ready` when a slot's bytes have
@@ -218,22 +218,10 @@ if GLUON_IMPORT_ERROR is None:
         index[i // SUB]-th tile of SUB * BLOCK rows (a schedule's tile list), else the i-th; CLAMP:
         no tile starts past ring_last rows from ring_row (a last partial tile shifted back); CYCLE:
         tile i is the (i % n_per)-th of head i // n_per, whose columns are col_step further on; ROTATE:
-        tile i is the ((i + rot) % n_tiles)-th (the backward's DIAG_LAST: the diagonal's tiles last).
-        ONCE_PARTS: the once-loaded tiles in that many boxes of the descriptors' rows each, into the
-        pieces of a 3-D shared allocation (a descriptor's box and a shared tile's dims are powers of
-        two: the backward's 192 keys with THREE_WG are three pieces of 64)."""
-        if ONCE_PARTS == 1:
-            mbarrier.expect(once_bar, once1_desc.block_type.nbytes + once2_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(once1_desc, [once_row, once1_col], once_bar, once1_smem)
-            tma.async_copy_global_to_shared(once2_desc, [once_row, once2_col], once_bar, once2_smem)
-        else:
-            BOX: gl.constexpr = once1_desc.block_type.shape[0]
-            mbarrier.expect(once_bar, ONCE_PARTS * (once1_desc.block_type.nbytes + once2_desc.block_type.nbytes))
-            for j in gl.static_range(ONCE_PARTS):
-                tma.async_copy_global_to_shared(once1_desc, [once_row + j * BOX, once1_col], once_bar,
-                                                once1_smem.index(j))
-                tma.async_copy_global_to_shared(once2_desc, [once_row + j * BOX, once2_col], once_bar,
-                                                once2_smem.index(j))
+        tile i is the ((i + rot) % n_tiles)-th (the backward's DIAG_LAST: the diagonal's tiles last)."""
+        mbarrier.expect(once_bar, once1_desc.block_type.nbytes + once2_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(once1_desc, [once_row, once1_col], once_bar, once1_smem)
+        tma.async_copy_global_to_shared(once2_desc, [once_row, once2_col], once_bar, once2_smem)
         for i in range(n_tiles):
             slot = i % STAGES
             # a slot's first use waits for nothing; its n-th reuse for the consumers' n-th release
@@ -729,7 +717,7 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule=None):
     return kl_rows, lse1, lse2, expect
 
 
-def compile_sm90(kernel, examples: dict, constexprs: dict, maxnreg: int | None = None):
+def compile_sm90(kernel, examples: dict, constexprs: dict):
     """Compile a Gluon kernel for sm_90a without a GPU (CI: the code stays valid Gluon for this
     triton, ptxas included), from example values of its runtime arguments (CPU tensors, host
     descriptors, ints, floats) in parameter order. Returns the compiled kernel (.asm: ptx, cubin)."""
@@ -752,8 +740,7 @@ def compile_sm90(kernel, examples: dict, constexprs: dict, maxnreg: int | None =
     attrs = {(names.index(name),): CUDABackend.parse_attr(spec[1]) for name, spec in specs.items()
              if isinstance(spec[1], str) and spec[0] != "constexpr"}
     source = GluonASTSource(kernel, signature, positions, attrs)
-    options = {"num_warps": 4} if maxnreg is None else {"num_warps": 4, "maxnreg": maxnreg}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
 def compile_for_hopper(dtype=torch.bfloat16, dim=128, causal: bool = False, overlap: bool = False,
