@@ -4,8 +4,9 @@ measured faster than forward.py (head dim 128 on both sides: 0.77x the SDPA forw
 0.73x causal at N=16K on the H200, against the Triton kernel's 0.89x; sixth session,
 benchmarks/results/tune_h200_round11.jsonl), and with block masks (seventh session: 0.56 against
 0.71 ms at 90 % block sparsity, 4.7 against 7.0 ms at 0 %). At head dim 64 it measured slower than
-forward.py (1.10x against 0.99x) and runs only when forced, as with a window alone (not measured)
-and different head dims. `STREAMKL_GLUON=0` (or `USE_GLUON = False`) turns it and the Gluon
+forward.py (1.10x against 0.99x) until the seventeenth session's `EARLY_SIDE1` (3.38 against 3.53
+ms back to back): the default there too, without block masks or a window. It runs only when forced
+with a window alone, block masks at head dim 64 (not measured) and different head dims. `STREAMKL_GLUON=0` (or `USE_GLUON = False`) turns it and the Gluon
 student backward (gluon_backward.py, default in its own measured scope) off, `STREAMKL_GLUON=1`
 (or `USE_GLUON = True`) uses both wherever they apply.
 
