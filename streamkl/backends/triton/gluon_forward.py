@@ -6,9 +6,10 @@ benchmarks/results/tune_h200_round11.jsonl), and with block masks (seventh sessi
 0.71 ms at 90 % block sparsity, 4.7 against 7.0 ms at 0 %). At head dim 64 it measured slower than
 forward.py (1.10x against 0.99x) until the seventeenth session's `EARLY_SIDE1` (3.38 against 3.53
 ms back to back): the default there too, without block masks or a window. It runs only when forced
-with a window alone, block masks at head dim 64 (not measured) and different head dims. `STREAMKL_GLUON=0` (or `USE_GLUON = False`) turns it and the Gluon
-student backward (gluon_backward.py, default in its own measured scope) off, `STREAMKL_GLUON=1`
-(or `USE_GLUON = True`) uses both wherever they apply.
+with a window alone, block masks at head dim 64 (not measured) and different head dims.
+`STREAMKL_GLUON=0` (or `USE_GLUON = False`) turns it and the Gluon student backward
+(gluon_backward.py, default in its own measured scope) off, `STREAMKL_GLUON=1` (or `USE_GLUON =
+True`) uses both wherever they apply.
 
 First written and compiled on a CPU-only machine (fifth session) and run under triton-viz's Gluon
 simulator there (`benchmarks/gluon_simulate.py`: both variants agree with float64 to 2e-7); first
