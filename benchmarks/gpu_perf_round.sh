@@ -14,6 +14,9 @@ if [ "${TEST_SECONDS:-330}" != 0 ]; then  # the full set took 229 s on the H200 
   timeout "${TEST_SECONDS:-330}" python -m pytest -q -rf --tb=short -p no:benchmark -n 12 tests/test_kl.py tests/test_varlen.py \
     tests/test_block_mask.py tests/test_errors.py tests/test_host_overhead.py tests/test_triton_gpu.py \
     tests/test_gpu_capture.py tests/test_cupy_gpu.py 2>&1 | tail -40 >> "$OUT/tests.txt"
+  # the failures' names on stdout too: $OUT keeps 8 files, and a caller's extra outputs can crowd
+  # tests.txt out (seventeenth session: a failure whose name was lost that way)
+  grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200
   tail -3 "$OUT/tests.txt"
 fi
 if [ "${SUITE_BUDGET:-215}" != 0 ]; then
