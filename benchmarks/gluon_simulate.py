@@ -20,8 +20,6 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward [--both] --listed-loops  # masks: the full pairs' loop, then the partial's
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
-    ... --backward --p-sink  # EARLY_P everywhere, p's row sums stored before the second wait (EARLY_P_SINK)
-    ... --backward --dq-defer [--split64]  # each dq product waited for in the next step (DQ_DEFER)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -479,17 +477,6 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.EARLY_P_EVERYWHERE = True
-    if "--p-sink" in sys.argv:  # EARLY_P's row sums stored before the second wait (EARLY_P_SINK), every launch
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.EARLY_P_SINK = gluon_backward.EARLY_P_EVERYWHERE = True
-    if "--dq-defer" in sys.argv:  # each dq product waited for in the next step (DQ_DEFER; D=64's turns, D=128's
-        # pieces; D=64 with DQ_SPLIT64's pieces: --dq-defer --split64)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.DQ_DEFER = True
-        if "--split64" in sys.argv:
-            gluon_backward.DQ_SPLIT64 = True
     if "--dk-defer" in sys.argv:  # each step's dk product waited for in the next step (DK_DEFER, on at
         # D=64; here every launch)
         from streamkl.backends.triton import gluon_backward

@@ -1064,8 +1064,6 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
      (torch.bfloat16, 128, True, "backward-listed"), (torch.float16, 64, False, "backward-varlen-tail-gqa-vec2"),
      (torch.float16, 64, True, None), (torch.bfloat16, 64, True, "backward-ahead"),
      (torch.bfloat16, 64, False, "backward-early-p"), (torch.bfloat16, 64, True, "backward-dk-defer"),
-     (torch.bfloat16, 64, False, "backward-p-sink"), (torch.bfloat16, 128, False, "backward-dq-defer"),
-     (torch.bfloat16, 64, True, "backward-dq-defer"),
      (torch.bfloat16, 128, True, "backward-both-diag-last"),
      (torch.bfloat16, 128, False, "backward-both-listed-loops")],
     ids=["bf16-D128", "fp16-D64-causal-overlap", "bf16-D128x64-causal", "bf16-D128-early-side1",
@@ -1074,7 +1072,6 @@ def test_gluon_both_sides_backward_with_block_masks(monkeypatch):
          "backward-bf16-D128-causal-listed",
          "backward-fp16-D64-varlen-tail-gqa-vec2", "backward-fp16-D64-causal",
          "backward-bf16-D64-causal-ahead", "backward-bf16-D64-early-p", "backward-bf16-D64-causal-dk-defer",
-         "backward-bf16-D64-p-sink", "backward-bf16-D128-dq-defer", "backward-bf16-D64-causal-dq-defer",
          "backward-both-bf16-D128-causal-diag-last", "backward-both-bf16-D128-listed-loops"],
 )
 def test_gluon_kernels_compile_for_hopper(config):
@@ -1093,10 +1090,6 @@ def test_gluon_kernels_compile_for_hopper(config):
         call = f"g.gluon_backward.compile_for_hopper({call}, ahead=True)"
     elif overlap == "backward-early-p":  # side 1's exponentials under side 2's product (EARLY_P)
         call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True)"
-    elif overlap == "backward-dq-defer":  # each step's dq piece waited for in the next step (DQ_DEFER)
-        call = f"g.gluon_backward.compile_for_hopper({call}, dq_defer=True)"
-    elif overlap == "backward-p-sink":  # EARLY_P with p's row sums stored before the second wait
-        call = f"g.gluon_backward.compile_for_hopper({call}, early_p=True, p_sink=True)"
     elif overlap == "backward-dk-defer":  # each step's dk product waited for in the next step (DK_DEFER)
         call = f"g.gluon_backward.compile_for_hopper({call}, dk_defer=True)"
     elif overlap == "backward-both-diag-last":  # BOTH, the diagonal's steps last (DIAG_LAST)
@@ -1131,13 +1124,13 @@ def test_gluon_kernels_compile_for_hopper(config):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
         assert instruction in result["ptx"], instruction
     assert result["num_warps"] == 12  # two consumer warpgroups and the producer's (padded) warpgroup
-    if overlap in ("early-side1", "listed-early-side1", "backward-early-p", "backward-p-sink"):
+    if overlap in ("early-side1", "listed-early-side1", "backward-early-p"):
         # a wait for the first product alone
         assert "wgmma.wait_group.sync.aligned 1;" in result["ptx"]
     if str(overlap).endswith("vec2"):  # the inline PTX vector reduction, no element atomics left
         assert "red.global.add.v2.f32" in result["ptx"] and "atom.global" not in result["ptx"]
     elif overlap in (None, "backward-listed", "backward-ahead", "backward-early-p", "backward-dk-defer",
-                     "backward-p-sink", "backward-dq-defer", "backward-both-diag-last",
+                     "backward-both-diag-last",
                      "backward-both-listed-loops"):  # dq2 by TMA
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
         assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
@@ -1360,10 +1353,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
-                                 "p-sink", "dq-defer"],
+@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-dk-defer", "tma-p-sink", "tma-dq-defer"])
+                              "tma-early-p", "tma-dk-defer"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1380,9 +1372,6 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "DQ_TMA", bool(tma))
     # D=64: dq2's columns split between the warpgroups every step (DQ_SPLIT64, fourteenth session: off)
     monkeypatch.setattr(gluon_backward, "DQ_SPLIT64", tma == "split64")
-    # each dq product waited for in the next step (DQ_DEFER, sixteenth session: off, not yet run on a
-    # GPU; D=64, and D=128 non-causal)
-    monkeypatch.setattr(gluon_backward, "DQ_DEFER", tma == "dq-defer")
     # each step's statistics loaded a step ahead (STATS_AHEAD, fifteenth session: on) or not
     monkeypatch.setattr(gluon_backward, "STATS_AHEAD", tma != "not-ahead")
     # block masks' full and partial pairs in two loops (LISTED_LOOPS, fifteenth session: on) or one
@@ -1390,10 +1379,7 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # side 1's exponentials while side 2's score product runs (EARLY_P, sixteenth session: on at D=64
     # without causality or lists, so the default runs it on the fp16 D=64 case below; here
     # everywhere the kernel has it: causal, listed full pairs, D=128)
-    monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", tma in ("early-p", "p-sink"))
-    # with it p's row sums stored before the second wait (EARLY_P_SINK, sixteenth session: off, not yet
-    # run on a GPU)
-    monkeypatch.setattr(gluon_backward, "EARLY_P_SINK", tma == "p-sink")
+    monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", tma == "early-p")
     # each step's dk product waited for in the next step (DK_DEFER, sixteenth session: on at D=64, so
     # the default runs it on the D=64 cases below; here every student launch)
     monkeypatch.setattr(gluon_backward, "DK_DEFER_EVERYWHERE", tma == "dk-defer")
@@ -1630,12 +1616,6 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
     monkeypatch.setattr(gluon_backward, "DK_DEFER", False)
     assert not defer(64) and not defer(128)
     assert gluon_backward.dk_defer_on(dict(D=64, BOTH=False), True)
-    # DQ_DEFER (off): the student kernel at D=64, or at D=128 not causal and not listed
-    qd = lambda **c: gluon_backward.dq_defer_on(dict(dict(D=128, BOTH=False, CAUSAL=False, LISTED=False), **c))  # noqa: E731
-    assert not qd()
-    monkeypatch.setattr(gluon_backward, "DQ_DEFER", True)
-    assert qd() and not qd(CAUSAL=True) and not qd(LISTED=True) and not qd(BOTH=True)
-    assert qd(D=64, CAUSAL=True) and qd(D=64, LISTED=True) and not qd(D=64, BOTH=True)
 
 
 def test_gluon_forward_early_side1_scope(monkeypatch):

@@ -67,6 +67,12 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   non-causal: 5.80 -> 5.64 ms) and each step's dk product waited for in the next step
   (`DK_DEFER`: 5.65 -> 5.51, causal 2.97 -> 2.91; slower at D=128). 128 query rows a step at D=64
   (ROWS_D64, FlashAttention-3's tile there): 6.06 against 5.75 ms, removed.
+- seventeenth session, measured and removed (the sixteenth's code, commit df211de has it): p's
+  row sums stored to shared memory before the second wait so that ptxas keeps EARLY_P's
+  exponentials there (EARLY_P_SINK: D=64 5.56 -> 5.93 ms), and each step's dq product waited for
+  in the next step (DQ_DEFER: D=64 5.56 / 5.52, causal 2.87 -> 3.09, D=128 9.44 / 9.31, within its
+  spread); three consumer warpgroups over 192 keys at D=64 (THREE_WG, commit c6b2163: at most 3 %
+  faster, wrong gradients at N=16K on the H200), reverted.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -430,7 +436,7 @@ if GLUON_IMPORT_ERROR is None:
         return lse1, lse2, g
 
     @gluon.jit
-    def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
+    def _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
@@ -440,8 +446,7 @@ if GLUON_IMPORT_ERROR is None:
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
-                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr,
-                      EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr):
+                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -502,17 +507,6 @@ if GLUON_IMPORT_ERROR is None:
         held = n_tiles * 0 - 1
         if DEFER:  # (the loops carry dk as an accumulator in flight)
             dk = hopper.warpgroup_mma_init(dk)
-        # DQ_DEFER (student, TMA reductions): a step's dq product left in flight, waited for and reduced
-        # in the next step once its score products are issued (the tensor cores run them right after
-        # it, no gap for the reduction), by a full wait (a wait for it alone, wait_group 2, made ptxas
-        # serialize every wgmma: C7514); the next product accumulates into the waited tile's registers
-        # (use_acc=False: their values unread), so that nothing keeps an in-flight value alive
-        QDEFER: gl.constexpr = DQ_DEFER and not BOTH and DQ_TMA
-        dq_due = n_tiles * 0  # 1: a step's dq product is in flight
-        dq_row_p = q_row
-        dq_col_p = dq_col
-        if QDEFER:
-            dq_t = hopper.warpgroup_mma_init(zero_q)
         for phase in gl.static_range(2 if DIAG or LSPLIT else 1):
             if ROT:
                 if phase == 0:
@@ -557,18 +551,6 @@ if GLUON_IMPORT_ERROR is None:
                 else:
                     tile_row0, fresh_row0, h_in = _step_rows(r, index, first_tile, n_per, len_q, BLOCK_M,
                                                              LISTED, TAIL, GQA2)
-                if QDEFER:  # the step before's dq product (with these: a wait for it alone, wait_group 2,
-                    # made ptxas serialize every wgmma, C7514, as it does for any product read after a
-                    # partial wait across the loop's back edge)
-                    if D == DQ_COLS:  # parity turns: only after a turn (the other steps keep EARLY_P's split)
-                        if dq_due != 0:
-                            dq_v = hopper.warpgroup_mma_wait(0, deps=[dq_t])
-                            _reduce_dq(dq_desc, dq_smem, dq_v * out_scale2, dq_row_p, dq_col_p)
-                            dq_t = hopper.warpgroup_mma_init(dq_v)
-                    else:  # every step (this way spill-free at D=128)
-                        dq_v = hopper.warpgroup_mma_wait(0, deps=[dq_t])
-                        if dq_due != 0:
-                            _reduce_dq(dq_desc, dq_smem, dq_v * out_scale2, dq_row_p, dq_col_p)
                 o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)  # sequence-local rows
                 if not AHEAD:
                     # the rows' statistics straight into the score layout (two rows a thread from one 64-bit
@@ -591,9 +573,6 @@ if GLUON_IMPORT_ERROR is None:
                     # side 1's exponentials while the tensor cores run side 2's product
                     st1 = hopper.warpgroup_mma_wait(1, deps=[t1])
                     p_early = gl.exp2(st1 * scale1 - lse1[:, None])
-                    if EARLY_P_SINK:  # a shared store that needs every exponential, which ptxas keeps
-                        # before the wait (else it sinks most of them past it)
-                        sink.store(gl.sum(p_early, axis=1))
                     if DEFER:
                         st2, dk = hopper.warpgroup_mma_wait(0, deps=[t2, dk])
                     else:
@@ -673,23 +652,7 @@ if GLUON_IMPORT_ERROR is None:
                 # as before the ninth session, were 32 values hoisted out of the loop and spilled)
                 p_tile = DQ2 + o_step + (o_dq * 0 + tile_row0) * stride_dqn  # (o_dq * 0: 64-bit)
                 p_rows = p_tile + (o_qd * stride_dqn)[:, None]
-                if QDEFER and D == DQ_COLS:  # D=64's parity turns
-                    if i % 2 == WG:
-                        mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-                        dq_t = hopper.warpgroup_mma(ds_all, kb2, dq_t, use_acc=False, is_async=True)
-                        dq_due = n_tiles * 0 + 1
-                        dq_row_p = q_row + tile_row0
-                        dq_col_p = dq_col + h_in * D
-                    else:
-                        dq_due = n_tiles * 0
-                elif QDEFER:  # (the other warpgroup rewrites this buffer only after this warpgroup's next ds_bar
-                    # arrival, which follows that product's wait)
-                    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
-                    dq_t = hopper.warpgroup_mma(ds_all, kb2, dq_v, use_acc=False, is_async=True)
-                    dq_due = n_tiles * 0 + 1
-                    dq_row_p = q_row + tile_row0
-                    dq_col_p = dq_col + h_in * D + WG * DQ_COLS
-                elif D > DQ_COLS:
+                if D > DQ_COLS:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:  # this warpgroup's [64, DQ_COLS] piece by one TMA bulk reduction
@@ -708,10 +671,6 @@ if GLUON_IMPORT_ERROR is None:
                         _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
                     else:
                         _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
-        if QDEFER:  # the last step's dq product
-            dq_v = hopper.warpgroup_mma_wait(0, deps=[dq_t])
-            if dq_due != 0:
-                _reduce_dq(dq_desc, dq_smem, dq_v * out_scale2, dq_row_p, dq_col_p)
         if DEFER:  # the last step's dk product
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             if held >= 0:
@@ -730,7 +689,7 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(p_dk1, (dk1 * out_scale1).to(DK1.dtype.element_ty))
 
     @gluon.jit
-    def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
+    def _bwd_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                         LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                         stride_sn, stride_gn, stride_dqn, stride_dkn,
                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
@@ -740,15 +699,15 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr, EARLY_P_SINK: gl.constexpr, DQ_DEFER: gl.constexpr):
-        _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink,
+                        DK_DEFER: gl.constexpr):
+        _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER, EARLY_P_SINK, DQ_DEFER)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -790,8 +749,6 @@ if GLUON_IMPORT_ERROR is None:
         LSPLIT: gl.constexpr,  # LISTED: the full pairs' steps in one loop, the partial pairs' in a second
         EARLY_P: gl.constexpr,  # student: side 1's exponentials while side 2's score product runs (`EARLY_P`)
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
-        EARLY_P_SINK: gl.constexpr,  # EARLY_P: p's row sums stored before the second wait (`EARLY_P_SINK`)
-        DQ_DEFER: gl.constexpr,  # student, every step's dq piece: waited for and reduced in the next step
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -875,12 +832,6 @@ if GLUON_IMPORT_ERROR is None:
             dq_smem0 = ds_smem
             dq_smem1 = ds_smem
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        if EARLY_P_SINK:  # each consumer warpgroup's p row sums, stored before it waits for side 2's product
-            sink0 = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            sink1 = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        else:
-            sink0 = ds_bar  # (unused)
-            sink1 = ds_bar
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -905,25 +856,22 @@ if GLUON_IMPORT_ERROR is None:
             rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
         gl.warp_specialize(
             [
-                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty, sink0,
+                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                  LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                  stride_sn, stride_gn, stride_dqn, stride_dkn,
                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                 EARLY_P_SINK, DQ_DEFER)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                                   sink1,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
                                    k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER,
-                                 EARLY_P_SINK, DQ_DEFER)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -994,15 +942,6 @@ def early_p_on(constexprs: dict, switch: bool | None = None) -> bool:
     return on and constexprs["D"] == 64 and not constexprs["CAUSAL"] and not constexprs["LISTED"]
 
 
-#: With EARLY_P: each consumer warpgroup stores p's row sums to shared memory before it waits for
-#: side 2's product. ptxas keeps only 5 of p's 32 exponentials a thread before that wait otherwise;
-#: a shared store that needs them all stays before it (so it did in the Gluon forward's
-#: EARLY_SIDE1, where the sums are needed anyway; here they cost ~35 instructions a step).
-#: Sixteenth session, after its device time was spent: simulated, sm_90a builds checked, not yet
-#: run on a GPU: off. To try: `ab_gluon_bwd.py --dim 64 --variants '[{}, {"EARLY_P_SINK": true}]'`.
-EARLY_P_SINK = False
-
-
 #: The student kernel leaves each step's dk product (dk += dS2^T q2) in flight and waits for it
 #: with the next step's score products (the tensor cores run them in order anyway), releasing the
 #: step's query slot then, instead of waiting for it before the step's dq product and the next
@@ -1024,28 +963,6 @@ def dk_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
     return on and (bool(DK_DEFER_EVERYWHERE) or constexprs["D"] == 64)
 
 
-#: The student kernel leaves each dq product (dS2 k2 over the tile's 128 keys: D=64's turns by
-#: parity, or every step's piece at D=128 and D=64 with DQ_SPLIT64) in flight and waits for it in
-#: the next step after that step's score products are issued, its reduction (scale, shared
-#: memory, TMA) done there, instead of waiting for it at the end of its own step. The wait is a
-#: full one (it takes the score products too): a wait for the dq product alone (wait_group 2)
-#: made ptxas serialize every wgmma (C7514) whether or not it sat in a branch; ptxas does not
-#: follow partial waits across the loop's back edge (EARLY_P's, within a step, is fine). At D=64
-#: the wait comes only after a turn, so the other steps keep EARLY_P's split. D=128 causal and
-#: listed builds spill 144-188 bytes with it: not there. Sixteenth session, after its device time
-#: was spent: simulated (`gluon_simulate.py --backward --dq-defer [--split64]`; a mutation dropping
-#: the last reduction fails it), sm_90a builds spill-free and not serialized, not yet run on a
-#: GPU: off. To try: `ab_gluon_bwd.py --dim 64 [--causal] --variants '[{}, {"DQ_DEFER": true}]'`,
-#: and at D=128 with `{"DQ_DEFER": true, "DK_DEFER_EVERYWHERE": true}` too.
-DQ_DEFER = False
-
-
-def dq_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
-    """Whether a launch with these constexprs waits for each dq product in the next step
-    (`DQ_DEFER`, or `switch` if given): the student kernel at D=64, or at D=128 not causal and not
-    listed (where its builds spill)."""
-    on = bool(DQ_DEFER if switch is None else switch) and not constexprs["BOTH"]
-    return on and (constexprs["D"] == 64 or not (constexprs["CAUSAL"] or constexprs["LISTED"]))
 
 
 @functools.lru_cache(maxsize=4)
@@ -1213,8 +1130,6 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["LSPLIT"] = listed_loops(constexprs)
     constexprs["EARLY_P"] = early_p_on(constexprs)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
-    constexprs["EARLY_P_SINK"] = bool(EARLY_P_SINK) and constexprs["EARLY_P"]
-    constexprs["DQ_DEFER"] = dq_defer_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1326,7 +1241,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, EARLY_P_SINK, DQ_DEFER)
+           DK_DEFER, DK_DEFER_EVERYWHERE)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1406,16 +1321,13 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
-                       early_p: bool | None = None, dk_defer: bool | None = None, p_sink: bool | None = None,
-                       dq_defer: bool | None = None):
+                       early_p: bool | None = None, dk_defer: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
     a loop for the full pairs, one for the partial; `early_p`: side 1's exponentials under side 2's
-    product; `dk_defer`: each step's dk product waited for in the next step; `p_sink`: with early_p,
-    p's row sums stored before the second wait; `dq_defer`: each step's dq piece waited for in the
-    next step; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` /
-    `EARLY_P` / `DK_DEFER` / `EARLY_P_SINK` / `DQ_DEFER`)."""
+    product; `dk_defer`: each step's dk product waited for in the next step; None: as `DQ_TMA` /
+    `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
@@ -1451,6 +1363,4 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
     constexprs["EARLY_P"] = early_p_on(constexprs, early_p)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
-    constexprs["EARLY_P_SINK"] = bool(EARLY_P_SINK if p_sink is None else p_sink) and constexprs["EARLY_P"]
-    constexprs["DQ_DEFER"] = dq_defer_on(constexprs, dq_defer)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)

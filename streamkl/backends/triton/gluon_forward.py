@@ -117,8 +117,9 @@ def chosen(problem: Problem, q1, k1, q2, k2) -> bool:
     if use is False:
         return False
     if use is None:
-        window_only = listed(problem) and problem.mask1 is None and problem.mask2 is None
-        both64 = problem.dim1 == 64 and problem.dim2 == 64 and not listed(problem) and EARLY_SIDE1
+        is_listed = listed(problem)
+        window_only = is_listed and problem.mask1 is None and problem.mask2 is None
+        both64 = problem.dim1 == 64 and problem.dim2 == 64 and not is_listed and EARLY_SIDE1
         if not (problem.dim1 == 128 and problem.dim2 == 128 or both64) or window_only:
             return False
     return applies(problem, q1, k1, q2, k2)
