@@ -20,6 +20,8 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward [--both] --listed-loops  # masks: the full pairs' loop, then the partial's
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
+    ... --backward --dq-raw  # dq2 added unscaled, the flush scales it (DQ_RAW)
+    ... --backward --g-one [--dq-raw]  # one g for every row, in the output scales (G_ONE)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -273,6 +275,10 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     leaves = [t.double().requires_grad_(i >= 2) for i, t in enumerate((q1, k1, q2, k2))]
     ref, lse1, lse2 = reference_kl(*leaves, causal=causal, **kwargs)
     upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64) * ref.isfinite()
+    g_in = upstream.float()
+    if UNIFORM_G:  # a reduced loss's g: one value expanded over the rows (G_ONE)
+        g_in = torch.tensor(-0.37).expand(ref.shape)
+        upstream = g_in.double()
     ref = ref.nan_to_num(posinf=0.0)
     ref_dq2, ref_dk2 = torch.autograd.grad((ref * upstream).sum(), leaves[2:])
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
@@ -280,7 +286,7 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     start = time.time()  # (the host wrapper as the backend calls it)
     with _wrapper_launches(kernel, chunks, _traced_flush(triton_viz, client)):
         _, _, dq2, dk2 = gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1.float().contiguous(),
-                                                    lse2.float().contiguous(), upstream.float(), schedule)
+                                                    lse2.float().contiguous(), g_in, schedule)
     gluon_backward.DQ_VEC2 = vec2
 
     def err(a, e):
@@ -294,6 +300,10 @@ def simulate_backward(triton_viz, client, batch, n_q, n_k, heads, heads_k1, dim,
     print(f"backward {what} H{heads} Hk1 {heads_k1} D{dim} causal={causal}{extra}: relative L2 error "
           f"dq2 {errors[0]:.1e}, dk2 {errors[1]:.1e} ({time.time() - start:.1f} s)", flush=True)
     return max(errors)
+
+
+#: --g-one: the upstream gradient one (negative) value for every row, expanded (G_ONE's input)
+UNIFORM_G = False
 
 
 def _traced_flush(triton_viz, client):
@@ -482,6 +492,18 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DK_DEFER_EVERYWHERE = True
+    if "--dq-raw" in sys.argv:  # dq2 added unscaled, the flush scales it (DQ_RAW)
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.DQ_RAW = True
+    if "--g-one" in sys.argv:  # one g for every row (G_ONE): float16 here, so its rescaling is skipped (as
+        # for bfloat16); the cases without block masks (no rows of infinite KL to zero)
+        from streamkl.backends.triton import backward, gluon_backward
+
+        global UNIFORM_G
+        UNIFORM_G = gluon_backward.G_ONE = True
+        backward.rescaled_upstream = lambda problem, grad_rows, lse1: (grad_rows.float(), None)
+        backward_cases = [c for c in backward_cases if len(c) < 9 or c[8] is None]
     if "--listed-loops" in sys.argv:  # block masks / windows: full pairs' and partial pairs' loops (LISTED_LOOPS)
         from streamkl.backends.triton import gluon_backward
 

@@ -1326,6 +1326,10 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         " True, True)),\n"
         "    'backward D64 (EARLY_P, DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, False)),\n"
         "    'backward D64 causal (DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, True)),\n"
+        "    'backward D64 reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 64, False,"
+        " g_one=True, dq_raw=True)),\n"
+        "    'backward reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 128, True,"
+        " g_one=True, dq_raw=True)),\n"
         "}\n"
         "out = {}\n"
         "with tempfile.TemporaryDirectory() as tmp:\n"
@@ -1353,9 +1357,10 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer"],
+@pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
+                                 "dq-raw"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-dk-defer"])
+                              "tma-early-p", "tma-dk-defer", "tma-dq-raw"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1383,6 +1388,10 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # each step's dk product waited for in the next step (DK_DEFER, sixteenth session: on at D=64, so
     # the default runs it on the D=64 cases below; here every student launch)
     monkeypatch.setattr(gluon_backward, "DK_DEFER_EVERYWHERE", tma == "dk-defer")
+    # dq2 added unscaled, the flush scaling it (DQ_RAW, eighteenth session): with these per-row g
+    # (the float16 cases: times g's rescaling factor)
+    if tma == "dq-raw":
+        monkeypatch.setattr(gluon_backward, "DQ_RAW", True)
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
@@ -1472,6 +1481,78 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
         assert rel_l2(a.float(), b.float()) < 1e-2
 
 
+@gpu
+@pytest.mark.parametrize("raw", [False, True], ids=["scaled-dq", "dq-raw"])
+def test_gluon_student_backward_reduced_loss(monkeypatch, raw):
+    """`G_ONE` (eighteenth session): a reduced loss's upstream gradient, one value expanded over the
+    rows, taken out of dS2 (q - p) and into the output scales, with and without `DQ_RAW` (dq2 scaled
+    by the flush): a negative multiple of the summed / averaged KL against the float64 reference,
+    dense, causal, partial tiles, packed sequences (empty ones, head chunks), side-2 GQA, block masks
+    with rows empty on side 1 only and on both sides, a window; bfloat16 (float16 rescales g: not
+    taken, still right)."""
+    from streamkl.backends.triton import backward, gluon_backward
+
+    gluon_forward = _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    monkeypatch.setattr(gluon_backward, "G_ONE", True)
+    monkeypatch.setattr(gluon_backward, "DQ_RAW", raw)
+    seen = []
+    plan = gluon_backward.launch_plan
+
+    def spy(*args, **kwargs):
+        out = plan(*args, **kwargs)
+        seen.append(out[2]["G_ONE"])
+        return out
+
+    monkeypatch.setattr(gluon_backward, "launch_plan", spy)
+    bf16 = torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+
+    def check(x, reduction="sum", taken=True, **kwargs):
+        seen.clear()
+        loss = -0.37 * streamkl.kl(*x, backend="triton", reduction=reduction, **kwargs)
+        got = torch.autograd.grad(loss, x[2:])
+        leaves = [t.detach().double().requires_grad_(i >= 2) for i, t in enumerate(x)]
+        ref = reference_kl(*leaves, **kwargs)[0]
+        assert torch.isfinite(ref).all()
+        ref_loss = -0.37 * (ref.sum() if reduction == "sum" else ref.mean())
+        want = torch.autograd.grad(ref_loss, leaves[2:])
+        assert seen and all(value == taken for value in seen), (seen, kwargs)
+        for name, a, b in zip(("dq2", "dk2"), got, want):
+            assert torch.isfinite(a).all(), name
+            assert rel_l2(a, b) <= 2e-2, (name, rel_l2(a, b), kwargs)
+
+    student = (False, False, True, True)
+    for d, causal, n_q, n_k, heads_k, reduction in ((64, False, 256, 384, (2, 4), "sum"),
+                                                    (128, True, 384, 384, (4, 4), "mean"),
+                                                    (64, True, 200, 300, (2, 4), "sum"),  # partial tiles
+                                                    (64, True, 256, 384, (2, 2), "sum")):  # side-2 GQA
+        check(make_inputs((2, n_q), (2, n_k), 4, heads_k, (d, d), bf16, DEVICE, student), reduction, causal=causal)
+    lens = [(128, 256), (0, 0), (64, 128), (0, 128), (192, 384)]
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", 2)
+    x = make_inputs((int(cu_q[-1]) + 7,), (int(cu_k[-1]) + 9,), 4, (2, 4), (64, 64), bf16, DEVICE, student)
+    check(x, causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", None)
+    # block masks: side 2's support holds side 1's (finite KL everywhere), rows empty on side 1 only
+    # (p = 0, q > 0: dS2 must still be 0) and on both; then a window
+    blocks1 = torch.rand(2, 4, 3, 3, generator=gen) < 0.5
+    blocks2 = blocks1 | (torch.rand(2, 4, 3, 3, generator=gen) < 0.5)
+    blocks1[0, 0, 0], blocks2[0, 0, 0] = False, True  # side 1 empty, side 2 full
+    blocks1[0, 1, 1], blocks2[0, 1, 1] = False, False  # both empty
+    blocks1, blocks2 = blocks1.to(DEVICE), blocks2.to(DEVICE)
+    x = make_inputs((2, 384), (2, 384), 4, (2, 4), (64, 64), bf16, DEVICE, student)
+    check(x, mask1=streamkl.BlockMask.from_dense(blocks1), mask2=streamkl.BlockMask.from_dense(blocks2))
+    x = make_inputs((2, 256), (2, 256), 4, (2, 4), (128, 128), bf16, DEVICE, student)
+    check(x, window=(100, 30))
+    # float16: g rescaled per row (`backward.rescaled_upstream`), so not taken
+    x = make_inputs((2, 256), (2, 384), 4, (2, 4), (64, 64), torch.float16, DEVICE, student)
+    check(x, taken=False)
+
+
 @pytest.mark.parametrize("two", [False, True])
 def test_flush_dq_writes_heads(two):
     """`backward.flush_dq` (the Gluon backward's float32 dq accumulators into the 16-bit gradients,
@@ -1500,6 +1581,12 @@ def test_flush_dq_writes_heads(two):
         assert torch.equal(accum, value)
     assert flush_dq(accums[:1], outs[:1], 0)
     assert rounded(outs[0][..., :3, :], values[0])
+    # scaled (DQ_RAW): by a float, times the first element of a tensor (a reduced loss's expanded g)
+    factor = torch.tensor(-2.0, device=device).expand(2, 33, 3)
+    assert flush_dq(accums[:1], outs[:1], 3, (0.25, factor))
+    assert rounded(outs[0][..., 3:, :], values[0] * -0.5)
+    assert flush_dq(accums[:1], outs[:1], 0, (4.0, None))
+    assert rounded(outs[0][..., :3, :], values[0] * 4.0)
     assert not flush_dq([accums[0].transpose(0, 1)], [torch.zeros_like(outs[0]).transpose(0, 1)], 0)
 
 

@@ -594,27 +594,34 @@ G_PEAK = 64.0
 
 
 @triton.jit
-def _flush_dq_kernel(A1, A2, O1, O2, rows, width, stride_or, col0,
-                     TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _flush_dq_kernel(A1, A2, O1, O2, rows, width, stride_or, col0, scale, SCALE_T,
+                     TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
+                     SCALE_PTR: tl.constexpr):
     """One or two float32 dq accumulators [rows, width] (contiguous) into their heads' columns of the
-    16-bit gradients [rows, stride_or] from column col0."""
+    16-bit gradients [rows, stride_or] from column col0; SCALED: the first times `scale` (and with
+    SCALE_PTR times the value at SCALE_T)."""
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     o_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = (o_r < rows)[:, None] & (o_c < width)[None, :]
     o_a = o_r.to(tl.int64)[:, None] * width + o_c[None, :]
     o_o = o_r.to(tl.int64)[:, None] * stride_or + col0 + o_c[None, :]
     x = tl.load(A1 + o_a, mask=m, other=0.0)
+    if SCALED:
+        if SCALE_PTR:
+            scale = scale * tl.load(SCALE_T)
+        x = x * scale
     tl.store(O1 + o_o, x.to(O1.dtype.element_ty), mask=m)
     if TWO:
         y = tl.load(A2 + o_a, mask=m, other=0.0)
         tl.store(O2 + o_o, y.to(O2.dtype.element_ty), mask=m)
 
 
-def flush_dq(accums, outs, head_lo: int) -> bool:
+def flush_dq(accums, outs, head_lo: int, scale=None) -> bool:
     """Write one or two float32 dq accumulators [..., heads_chunk, D] into the 16-bit gradients'
     heads from `head_lo` [..., H, D] in one launch (a head chunk's `out[..., lo:hi, :].copy_(a)`
     for each): one launch where there were two, vectorized where the strided copy was not.
-    Contiguous tensors only: False (nothing done) otherwise.
+    Contiguous tensors only: False (nothing done) otherwise. `scale`: (a float, a tensor whose
+    first element multiplies it, or None), the first accumulator's factor (one accumulator only).
 
     (A first version also zeroed the accumulators behind it for the next chunk: on the H200 its
     build with two accumulators left some rows' outputs 0, though the interpreter and the Gluon
@@ -636,9 +643,12 @@ def flush_dq(accums, outs, head_lo: int) -> bool:
         return True
     block_r, block_c = 16, 256
     grid = (cdiv(rows, block_r), cdiv(width, block_c))
+    assert scale is None or not two
+    scale_t = None if scale is None else scale[1]
     args = (a1, accums[1] if two else a1, o1, outs[1] if two else o1, rows, width, o1.shape[-2] * dim,
-            head_lo * dim)
-    constexprs = dict(TWO=two, BLOCK_R=block_r, BLOCK_C=block_c)
+            head_lo * dim, 1.0 if scale is None else float(scale[0]), a1 if scale_t is None else scale_t)
+    constexprs = dict(TWO=two, BLOCK_R=block_r, BLOCK_C=block_c, SCALED=scale is not None,
+                      SCALE_PTR=scale_t is not None)
     if interpreting():  # (the tests without a GPU)
         _flush_dq_kernel[grid](*args, **constexprs, num_warps=4)
     else:

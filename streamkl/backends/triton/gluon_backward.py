@@ -320,6 +320,14 @@ if GLUON_IMPORT_ERROR is None:
         _tma_reduce_add(dq_desc, [row, col], dq_smem)
 
     @gluon.jit
+    def _dq_out(dq, out_scale2, DQ_RAW: gl.constexpr):
+        """A dq2 tile as added to the float32 buffer: times the output scale, or as it is (DQ_RAW: the
+        host's flush scales it)."""
+        if DQ_RAW:
+            return dq
+        return dq * out_scale2
+
+    @gluon.jit
     def _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M: gl.constexpr):
         """DIAG: how many of a causal program's steps, from its first, meet the diagonal (masked)."""
         x = gl.maximum(k0 + 2 * 64 - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
@@ -372,10 +380,12 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _step_ahead(j, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
                     stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M: gl.constexpr, LISTED: gl.constexpr,
-                    TAIL: gl.constexpr, GQA2: gl.constexpr, BOTH: gl.constexpr, layout: gl.constexpr):
+                    TAIL: gl.constexpr, GQA2: gl.constexpr, BOTH: gl.constexpr, layout: gl.constexpr,
+                    G_ONE: gl.constexpr = False):
         """STATS_AHEAD: step j's rows (`_step_rows`) and raw statistics (lse1, lse2, g and with BOTH
         E), loaded a step before they are used; j == n_tiles (past the last step) loads nothing (the
-        rows clamped to a listed step, the statistics masked: such a row may be past the sequence)."""
+        rows clamped to a listed step, the statistics masked: such a row may be past the sequence).
+        G_ONE: g is not loaded (lse1 in its place)."""
         j_in = gl.maximum(gl.minimum(j, n_tiles - 1), 0)
         tile_row0, fresh_row0, h_in = _step_rows(j_in, index, first_tile, n_per, len_q, BLOCK_M, LISTED, TAIL,
                                                  GQA2)
@@ -385,8 +395,11 @@ if GLUON_IMPORT_ERROR is None:
         mask = (o_r * 0 + j) < n_tiles
         lse1 = gl.load(LSE1 + stats, mask=mask, other=0.0)
         lse2 = gl.load(LSE2 + stats, mask=mask, other=0.0)
-        g = gl.load(GRAD + o_grad_j + (o_grad_j * 0 + tile_row0) * stride_gn + o_r * stride_gn, mask=mask,
-                    other=0.0)
+        if G_ONE:
+            g = lse1  # (unused)
+        else:
+            g = gl.load(GRAD + o_grad_j + (o_grad_j * 0 + tile_row0) * stride_gn + o_r * stride_gn, mask=mask,
+                        other=0.0)
         if BOTH:
             e_raw = gl.load(EXPECT + stats, mask=mask, other=0.0)
         else:
@@ -394,11 +407,19 @@ if GLUON_IMPORT_ERROR is None:
         return tile_row0, fresh_row0, h_in, lse1, lse2, g, e_raw
 
     @gluon.jit
-    def _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH: gl.constexpr, p_in=None):
+    def _times_g(g, x, G_ONE: gl.constexpr):
+        """g x, g a row's upstream gradient; G_ONE (one g for every row): x, g in the output scales."""
+        if G_ONE:
+            return x
+        return g[:, None] * x
+
+    @gluon.jit
+    def _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH: gl.constexpr, p_in=None,
+                   G_ONE: gl.constexpr = False):
         """LISTED: (dS2, dS1) of a step of a full pair (every row has keys on both sides); dS1 is
         dS2 without BOTH."""
         p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH, p_in)
-        ds = g[:, None] * (q - p)
+        ds = _times_g(g, q - p, G_ONE)
         ds1 = ds
         if BOTH:
             ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
@@ -406,13 +427,13 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _partial_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, o_i, o_j, flag_ptr, len_q, len_k,
-                      window_left, window_right, BOTH: gl.constexpr):
+                      window_left, window_right, BOTH: gl.constexpr, G_ONE: gl.constexpr = False):
         """LISTED: (dS2, dS1) of a step of a partial pair: backward._tile_dscores's masks, transposed."""
         tile_flags = gl.load(flag_ptr).to(gl.int32)
         a1, a2 = _listed_allowed(o_i[:, None], o_j[None, :], tile_flags, len_q, len_k, window_left, window_right)
         p = gl.exp2(gl.where(a1, st1 * scale1, float("-inf")) - lse1[:, None])
         q = gl.exp2(gl.where(a2, st2 * scale2, float("-inf")) - lse2[:, None])
-        ds = gl.where(a2, g[:, None] * (q - p), 0.0)  # dS2 kept to side 2's support
+        ds = gl.where(a2, _times_g(g, q - p, G_ONE), 0.0)  # dS2 kept to side 2's support
         ds1 = ds
         if BOTH:  # (side 2 allows every key side 1 does: `applies_both`); selected, as t and E are NaN
             # on rows without keys (lse +inf, E -inf - -inf)
@@ -446,7 +467,8 @@ if GLUON_IMPORT_ERROR is None:
                       CAUSAL: gl.constexpr, LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr,
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
-                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr):
+                      LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr, G_ONE: gl.constexpr,
+                      DQ_RAW: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -495,7 +517,7 @@ if GLUON_IMPORT_ERROR is None:
         if AHEAD:  # the first step's rows and statistics (then each step loads the next one's)
             a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
                 n_tiles * 0, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
-                stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
+                stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout, G_ONE)
             if BOTH:  # (E is carried from step to step with BOTH only)
                 a_e = e_next
         # (ROT: the same two loops in the other order, the unmasked steps first: the producer streams
@@ -545,7 +567,8 @@ if GLUON_IMPORT_ERROR is None:
                         e_row = a_e
                     a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
                         i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
-                        stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout)
+                        stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout,
+                        G_ONE)
                     if BOTH:
                         a_e = e_next
                 else:
@@ -565,7 +588,11 @@ if GLUON_IMPORT_ERROR is None:
                         e_row = gl.load(EXPECT + o_stat + (o_stat * 0 + tile_row0) * stride_sn
                                         + gl.arange(0, BLOCK_M, layout=row_layout).to(gl.int64) * stride_sn)
                     e_row = (lse1 - lse2) * 0.6931471805599453 - e_row
-                g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
+                if G_ONE:  # an empty row's gradient is 0: its p and q made 0 by +inf statistics (no g to zero)
+                    lse2 = gl.where(lse1 == float("-inf"), float("inf"), lse2)
+                    lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
+                else:
+                    g = gl.where(lse1 == float("-inf"), 0.0, g)  # an empty row's gradient is 0 whatever g is
                 if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
                     lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
                     lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
@@ -591,15 +618,17 @@ if GLUON_IMPORT_ERROR is None:
                     if not BOTH:
                         e_row = g  # (unused)
                     if LSPLIT and phase == 0:  # LISTED_LOOPS: the full pairs' loop
-                        ds, ds1 = _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH, p_early)
+                        ds, ds1 = _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH, p_early, G_ONE)
                     elif LSPLIT:  # the partial pairs' loop
                         ds, ds1 = _partial_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, o_i, o_j,
-                                                flags_list + visit, len_q, len_k, window_left, window_right, BOTH)
+                                                flags_list + visit, len_q, len_k, window_left, window_right, BOTH,
+                                                G_ONE)
                     elif visit < n_full_listed:  # (every row of a full pair has keys on both sides)
-                        ds, ds1 = _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH)
+                        ds, ds1 = _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH, None, G_ONE)
                     else:
                         ds, ds1 = _partial_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, o_i, o_j,
-                                                flags_list + visit, len_q, len_k, window_left, window_right, BOTH)
+                                                flags_list + visit, len_q, len_k, window_left, window_right, BOTH,
+                                                G_ONE)
                 else:
                     p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH, p_early)
                     if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
@@ -612,7 +641,7 @@ if GLUON_IMPORT_ERROR is None:
                         allowed = o_j[None, :] <= (o_i + offset)[:, None]
                         p = gl.where(allowed, p, 0.0)
                         q = gl.where(allowed, q, 0.0)
-                    ds = g[:, None] * (q - p)
+                    ds = _times_g(g, q - p, G_ONE)
                     if BOTH:  # dS1 = g p (ln(p / q) - KL) = g p ((s1 - s2) ln 2 - E); 0 where p is
                         ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
                 ds_t = ds.to(ds_smem.dtype)  # this warpgroup's [rows, keys] of dS2, in the input dtype
@@ -656,21 +685,22 @@ if GLUON_IMPORT_ERROR is None:
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # both halves of dS2^T stored
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:  # this warpgroup's [64, DQ_COLS] piece by one TMA bulk reduction
-                        _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0,
+                        _reduce_dq(dq_desc, dq_smem, _dq_out(dq, out_scale2, DQ_RAW), q_row + tile_row0,
                                    dq_col + h_in * D + WG * DQ_COLS)
                         if BOTH:  # dq1 through the same shared tile, once the TMA unit has read dq2's
                             dq1 = hopper.warpgroup_mma(ds1_all, kb1, zero_q, use_acc=False)
                             _reduce_dq(dq1_desc, dq_smem, dq1 * out_scale1, q_row + tile_row0,
                                        dq_col + h_in * D + WG * 64)
                     else:
-                        _add_dq(p_rows + (WG * DQ_COLS + o_dq_col)[None, :], dq * out_scale2, VEC)
+                        _add_dq(p_rows + (WG * DQ_COLS + o_dq_col)[None, :], _dq_out(dq, out_scale2, DQ_RAW), VEC)
                 elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
                     if DQ_TMA:
-                        _reduce_dq(dq_desc, dq_smem, dq * out_scale2, q_row + tile_row0, dq_col + h_in * D)
+                        _reduce_dq(dq_desc, dq_smem, _dq_out(dq, out_scale2, DQ_RAW), q_row + tile_row0,
+                                   dq_col + h_in * D)
                     else:
-                        _add_dq(p_rows + o_dq_col[None, :], dq * out_scale2, VEC)
+                        _add_dq(p_rows + o_dq_col[None, :], _dq_out(dq, out_scale2, DQ_RAW), VEC)
         if DEFER:  # the last step's dk product
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             if held >= 0:
@@ -699,7 +729,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr):
+                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -707,7 +737,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -749,6 +779,8 @@ if GLUON_IMPORT_ERROR is None:
         LSPLIT: gl.constexpr,  # LISTED: the full pairs' steps in one loop, the partial pairs' in a second
         EARLY_P: gl.constexpr,  # student: side 1's exponentials while side 2's score product runs (`EARLY_P`)
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
+        G_ONE: gl.constexpr = False,  # student: one g for every row (a reduced loss), in the output scales (`G_ONE`)
+        DQ_RAW: gl.constexpr = False,  # student: dq2 added unscaled, the host's flush scales it (`DQ_RAW`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -763,6 +795,8 @@ if GLUON_IMPORT_ERROR is None:
         if NORM_G:  # the products are linear in g: the factor comes back with the softmax scale
             out_scale2 = out_scale2 * gl.load(G_SCALE)
             out_scale1 = out_scale1 * gl.load(G_SCALE)
+        if G_ONE:  # dS2 = q - p: g (the one value of a reduced loss's expanded g) comes back with the scale
+            out_scale2 = out_scale2 * gl.load(GRAD)
         seq = pid_bh // heads
         if GQA2:  # the group's first query head (side 1's key head is the group's: group1 % group2 == 0)
             head = head_lo + (pid_bh % heads) * group2
@@ -863,7 +897,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -871,7 +905,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -963,6 +997,27 @@ def dk_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
     return on and (bool(DK_DEFER_EVERYWHERE) or constexprs["D"] == 64)
 
 
+#: Student kernel, a reduced loss (one g for every row: the rows' upstream gradient expanded from
+#: a scalar, strides 0): dS2 = q - p, g multiplied in with the output scales (dk2's in the kernel,
+#: dq2's by the flush: `DQ_RAW`), instead of g (q - p) per score (one float32 multiply a score
+#: fewer, g's loads gone). bfloat16 only (float16 rescales g: `backward.rescaled_upstream`).
+G_ONE = False
+
+#: Student kernel: dq2's tiles added to the float32 buffer as the products leave them, the output
+#: scale (the softmax scale, g with G_ONE, float16's g scale) applied once by the flush into the
+#: 16-bit gradient instead of to every tile (a float32 multiply per dq2 element and step fewer).
+DQ_RAW = False
+
+
+def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool | None = None) -> bool:
+    """Whether a launch reads one g for every row (`G_ONE`, or `switch` if given): the student
+    kernel, g expanded from one value (strides 0), not rescaled (bfloat16)."""
+    return bool(G_ONE if switch is None else switch) and not both and unscaled and not any(grad_rows.stride())
+
+
+def dq_raw_on(both: bool, switch: bool | None = None) -> bool:
+    """Whether a launch adds dq2 unscaled (`DQ_RAW`, or `switch` if given): the student kernel."""
+    return bool(DQ_RAW if switch is None else switch) and not both
 
 
 @functools.lru_cache(maxsize=4)
@@ -1130,6 +1185,8 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["LSPLIT"] = listed_loops(constexprs)
     constexprs["EARLY_P"] = early_p_on(constexprs)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
+    constexprs["G_ONE"] = g_one_on(both, grad_rows, unscaled)
+    constexprs["DQ_RAW"] = dq_raw_on(both)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1241,7 +1298,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, DQ_RAW)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1277,7 +1334,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     """`kl_backward`'s launches, and with `expect` (BOTH) side 1's gradients too: (dq1, dk1, dq2,
     dk2), None where not computed."""
     from streamkl.backends.triton.backward import atomic_head_chunks, flush_dq, rescaled_upstream
-    from streamkl.backends.triton.common import group_sizes
+    from streamkl.backends.triton.common import group_sizes, log2_scales
 
     both = expect is not None
     # packed keys past cu_seqlens_k[-1] belong to no sequence: their gradient is 0, not written
@@ -1285,8 +1342,10 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     dk1 = (torch.zeros_like(k1) if problem.is_varlen else torch.empty_like(k1)) if both else None
     g, g_scale = rescaled_upstream(problem, grad_rows, lse1)
     # g head-major (a row stride of 1, as lse's): each thread's rows are one base's immediate offsets;
-    # with BOTH a reduced loss's g (one value expanded over the rows, strides 0) is read as it is (G_AS_IS)
-    if not (both and G_AS_IS and not any(g.stride())):
+    # with BOTH a reduced loss's g (one value expanded over the rows, strides 0) is read as it is
+    # (G_AS_IS), without BOTH it is the one value of G_ONE
+    uniform = not any(g.stride())
+    if not (uniform and ((both and G_AS_IS) or g_one_on(both, g, g_scale is None))):
         g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
     chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
@@ -1297,7 +1356,12 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     accums = pair.unbind(0)
     accum2 = accums[0]
     accum1 = accums[1] if both else None
-    flushed = chunks > 1 or both
+    raw = dq_raw_on(both)  # DQ_RAW: the flush scales dq2 (the softmax scale; g's one value; float16's g scale)
+    flushed = chunks > 1 or both or raw
+    dq_scale = None
+    if raw:
+        scale_t = g if g_one_on(both, g, g_scale is None) else g_scale
+        dq_scale = (log2_scales(problem)[1] * LN2, scale_t)
     dq2 = torch.empty_like(q2) if flushed else None
     dq1 = torch.empty_like(q1) if both else None
     outs = (dq2, dq1) if both else (dq2,)
@@ -1307,8 +1371,11 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     for chunk, plan in enumerate(plans):
         lo = chunk * per_chunk
         _launch(plan, args, lse1)
-        if flushed and not flush_dq(accums, outs, lo):
+        if flushed and not flush_dq(accums, outs, lo, dq_scale):
             for out, accum in zip(outs, accums):  # (not contiguous: as flush_dq would)
+                if dq_scale is not None:
+                    factor, factor_t = dq_scale
+                    accum = accum * factor if factor_t is None else accum * factor * factor_t[(0,) * factor_t.dim()]
                 out[..., lo:lo + per_chunk, :].copy_(accum)
         if chunk + 1 < chunks:
             pair.zero_()
@@ -1321,13 +1388,15 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
-                       early_p: bool | None = None, dk_defer: bool | None = None):
+                       early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
+                       dq_raw: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
     a loop for the full pairs, one for the partial; `early_p`: side 1's exponentials under side 2's
-    product; `dk_defer`: each step's dk product waited for in the next step; None: as `DQ_TMA` /
-    `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER`)."""
+    product; `dk_defer`: each step's dk product waited for in the next step; `g_one`: one g for
+    every row, as `G_ONE` would take a reduced loss's; `dq_raw`: dq2 unscaled; None: as `DQ_TMA` /
+    `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER` / `DQ_RAW`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
@@ -1363,4 +1432,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
     constexprs["EARLY_P"] = early_p_on(constexprs, early_p)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
+    constexprs["G_ONE"] = g_one and not both and dtype != torch.float16
+    constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
