@@ -1358,9 +1358,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 @gpu
 @pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
-                                 "dq-raw"],
+                                 "dq-scaled"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-dk-defer", "tma-dq-raw"])
+                              "tma-early-p", "tma-dk-defer", "tma-dq-scaled"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1388,10 +1388,9 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # each step's dk product waited for in the next step (DK_DEFER, sixteenth session: on at D=64, so
     # the default runs it on the D=64 cases below; here every student launch)
     monkeypatch.setattr(gluon_backward, "DK_DEFER_EVERYWHERE", tma == "dk-defer")
-    # dq2 added unscaled, the flush scaling it (DQ_RAW, eighteenth session): with these per-row g
-    # (the float16 cases: times g's rescaling factor)
-    if tma == "dq-raw":
-        monkeypatch.setattr(gluon_backward, "DQ_RAW", True)
+    # dq2 added unscaled, the flush scaling it (DQ_RAW, eighteenth session: on; with these per-row g,
+    # in the float16 cases times g's rescaling factor), or scaled in the kernel as before
+    monkeypatch.setattr(gluon_backward, "DQ_RAW", tma != "dq-scaled")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
