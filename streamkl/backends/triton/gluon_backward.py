@@ -75,7 +75,12 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   faster, wrong gradients at N=16K on the H200), reverted.
 - eighteenth session: a reduced loss's one g out of dS2 (q - p) and into the output scales (G_ONE)
   and dq2 added unscaled, the flush scaling it (DQ_RAW): the D=64 loop 466 -> 392 SASS
-  instructions a step; D=64 5.53 -> 5.37 ms, causal 2.91 -> 2.85, D=128 9.58 -> 9.42.
+  instructions a step; D=64 5.53 -> 5.37 ms, causal 2.91 -> 2.85, D=128 9.58 -> 9.42. Measured
+  slower and removed (commit 38f36ff has it): each step issuing the next step's score products
+  before its exponentials (S_AHEAD, FlashAttention-3's intra-warpgroup overlap at D=64; waited for
+  before the loop's back edge, since accumulators in flight there are moved between registers and
+  ptxas then serializes the wgmma; the moves cost 80 instructions a step): 5.36 -> 5.59 ms, causal
+  2.84 -> 2.90.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
