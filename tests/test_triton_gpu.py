@@ -1361,10 +1361,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 @gpu
 @pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
-                                 "dq-scaled", "s-ahead"],
+                                 "dq-scaled"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-dk-defer", "tma-dq-scaled",
-                              "tma-s-ahead"])
+                              "tma-early-p", "tma-dk-defer", "tma-dq-scaled"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1391,10 +1390,7 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     monkeypatch.setattr(gluon_backward, "EARLY_P_EVERYWHERE", tma == "early-p")
     # each step's dk product waited for in the next step (DK_DEFER, sixteenth session: on at D=64, so
     # the default runs it on the D=64 cases below; here every student launch)
-    monkeypatch.setattr(gluon_backward, "DK_DEFER_EVERYWHERE", tma in ("dk-defer", "s-ahead"))
-    # each step's next score products issued before its exponentials (S_AHEAD, eighteenth session:
-    # off; with DK_DEFER, here on every launch without lists)
-    monkeypatch.setattr(gluon_backward, "S_AHEAD", tma == "s-ahead")
+    monkeypatch.setattr(gluon_backward, "DK_DEFER_EVERYWHERE", tma == "dk-defer")
     # dq2 added unscaled, the flush scaling it (DQ_RAW, eighteenth session: on; with these per-row g,
     # in the float16 cases times g's rescaling factor), or scaled in the kernel as before
     monkeypatch.setattr(gluon_backward, "DQ_RAW", tma != "dq-scaled")

@@ -476,7 +476,7 @@ if GLUON_IMPORT_ERROR is None:
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
                       LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr, G_ONE: gl.constexpr,
-                      DQ_RAW: gl.constexpr, S_AHEAD: gl.constexpr):
+                      DQ_RAW: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -537,14 +537,6 @@ if GLUON_IMPORT_ERROR is None:
         held = n_tiles * 0 - 1
         if DEFER:  # (the loops carry dk as an accumulator in flight)
             dk = hopper.warpgroup_mma_init(dk)
-        # S_AHEAD (student, DK_DEFER, not LISTED): each step issues the next step's score products before
-        # its own exponentials (the tensor cores run them meanwhile); step 0's here
-        SA: gl.constexpr = S_AHEAD and DEFER and not LISTED
-        if SA:
-            mbarrier.wait(ready.index(0), 0, pred=n_tiles > 0)
-            t1 = hopper.warpgroup_mma(q1_smem.index(0), ka1.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            t2 = hopper.warpgroup_mma(q2_smem.index(0), ka2.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            t1, t2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
         for phase in gl.static_range(2 if DIAG or LSPLIT else 1):
             if ROT:
                 if phase == 0:
@@ -567,12 +559,11 @@ if GLUON_IMPORT_ERROR is None:
                 else:
                     r = i
                 slot = i % STAGES
-                if not SA:
-                    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                    t1 = hopper.warpgroup_mma(q1_smem.index(slot), ka1.permute((1, 0)), zero_s, use_acc=False,
-                                              is_async=True)
-                    t2 = hopper.warpgroup_mma(q2_smem.index(slot), ka2.permute((1, 0)), zero_s, use_acc=False,
-                                              is_async=True)
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                t1 = hopper.warpgroup_mma(q1_smem.index(slot), ka1.permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                t2 = hopper.warpgroup_mma(q2_smem.index(slot), ka2.permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
                 if AHEAD:  # this step's, loaded a step ago; then the next step's (used there)
                     tile_row0 = a_row0
                     fresh_row0 = a_fresh
@@ -613,12 +604,7 @@ if GLUON_IMPORT_ERROR is None:
                 if LISTED:  # rows without keys on a side (lse -inf): +inf makes their p, q exactly 0
                     lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
                     lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-                if SA:  # (issued and waited for the step before, with its dk product)
-                    st1 = t1
-                    st2 = t2
-                    dk = hopper.warpgroup_mma_wait(0, deps=[dk])
-                    p_early = None
-                elif EARLY_P and not BOTH and not TAIL and (not LISTED or (LSPLIT and phase == 0)):
+                if EARLY_P and not BOTH and not TAIL and (not LISTED or (LSPLIT and phase == 0)):
                     # side 1's exponentials while the tensor cores run side 2's product
                     st1 = hopper.warpgroup_mma_wait(1, deps=[t1])
                     p_early = gl.exp2(st1 * scale1 - lse1[:, None])
@@ -635,13 +621,6 @@ if GLUON_IMPORT_ERROR is None:
                 if DEFER:  # the step before's dk product, waited for with these: its query slot is read
                     if held >= 0:
                         mbarrier.arrive(empty.index(held), count=1)
-                if SA:  # the next step's score products (the last step: its own again, unused)
-                    j = gl.minimum(i + 1, n_tiles - 1)
-                    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
-                    t1 = hopper.warpgroup_mma(q1_smem.index(j % STAGES), ka1.permute((1, 0)), zero_s, use_acc=False,
-                                              is_async=True)
-                    t2 = hopper.warpgroup_mma(q2_smem.index(j % STAGES), ka2.permute((1, 0)), zero_s, use_acc=False,
-                                              is_async=True)
                 if LISTED:
                     visit = r // 2
                     if not BOTH:
@@ -730,9 +709,6 @@ if GLUON_IMPORT_ERROR is None:
                                    dq_col + h_in * D)
                     else:
                         _add_dq(p_rows + o_dq_col[None, :], _dq_out(dq, out_scale2, DQ_RAW), VEC)
-                if SA:  # the next step's scores (and this step's dk product) done before the loop's back edge:
-                    # an accumulator in flight there would be moved between registers (ptxas then serializes)
-                    t1, t2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
         if DEFER:  # the last step's dk product
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             if held >= 0:
@@ -761,7 +737,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr, S_AHEAD: gl.constexpr):
+                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -769,7 +745,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, S_AHEAD)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -813,7 +789,6 @@ if GLUON_IMPORT_ERROR is None:
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
         G_ONE: gl.constexpr = False,  # student: one g for every row (a reduced loss), in the output scales (`G_ONE`)
         DQ_RAW: gl.constexpr = False,  # student: dq2 added unscaled, the host's flush scales it (`DQ_RAW`)
-        S_AHEAD: gl.constexpr = False,  # student, DK_DEFER: the next step's score products first (`S_AHEAD`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -930,7 +905,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, S_AHEAD)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -938,7 +913,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, S_AHEAD)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -1049,19 +1024,6 @@ def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool |
     """Whether a launch reads one g for every row (`G_ONE`, or `switch` if given): the student
     kernel, g expanded from one value (strides 0), not rescaled (bfloat16)."""
     return bool(G_ONE if switch is None else switch) and not both and unscaled and not any(grad_rows.stride())
-
-
-#: Student kernel with DK_DEFER (D=64), not LISTED: each step issues the next step's score products
-#: right after waiting for its own (issued a step before), so that the tensor cores compute them
-#: while the warpgroup takes its exponentials (FlashAttention-3's intra-warpgroup overlap, here
-#: where both sides' exponentials make the softmax part the longer one).
-S_AHEAD = False
-
-
-def s_ahead_on(constexprs: dict, switch: bool | None = None) -> bool:
-    """Whether a launch issues each step's score products a step early (`S_AHEAD`, or `switch`):
-    the student kernel with DK_DEFER (D=64; `DK_DEFER_EVERYWHERE`: D=128 too), not LISTED."""
-    return bool(S_AHEAD if switch is None else switch) and constexprs["DK_DEFER"] and not constexprs["LISTED"]
 
 
 def dq_raw_on(both: bool, switch: bool | None = None) -> bool:
@@ -1236,7 +1198,6 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
     constexprs["G_ONE"] = g_one_on(both, grad_rows, unscaled)
     constexprs["DQ_RAW"] = dq_raw_on(both)
-    constexprs["S_AHEAD"] = s_ahead_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1348,7 +1309,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, DQ_RAW, S_AHEAD)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, DQ_RAW)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1439,7 +1400,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
-                       dq_raw: bool | None = None, s_ahead: bool | None = None):
+                       dq_raw: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
@@ -1484,5 +1445,4 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     constexprs["G_ONE"] = g_one and not both and dtype != torch.float16
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
-    constexprs["S_AHEAD"] = s_ahead_on(constexprs, s_ahead)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
