@@ -21,7 +21,6 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
     ... --backward --dq-raw  # dq2 added unscaled, the flush scales it (DQ_RAW)
-    ... --backward --own-dq  # D=64: each warpgroup the dq2 of its own keys every step (OWN_DQ64)
     ... --backward --g-one [--dq-raw]  # one g for every row, in the output scales (G_ONE)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
@@ -493,10 +492,6 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DK_DEFER_EVERYWHERE = True
-    if "--own-dq" in sys.argv:  # D=64: each warpgroup the dq2 of its own keys every step (OWN_DQ64)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.OWN_DQ64 = True
     if "--dq-raw" in sys.argv:  # dq2 added unscaled, the flush scales it (DQ_RAW)
         from streamkl.backends.triton import gluon_backward
 

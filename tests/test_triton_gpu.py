@@ -1361,10 +1361,9 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 @gpu
 @pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
-                                 "dq-scaled", "own-dq"],
+                                 "dq-scaled"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-dk-defer", "tma-dq-scaled",
-                              "tma-own-dq"])
+                              "tma-early-p", "tma-dk-defer", "tma-dq-scaled"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1395,8 +1394,6 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # dq2 added unscaled, the flush scaling it (DQ_RAW, eighteenth session: on; with these per-row g,
     # in the float16 cases times g's rescaling factor), or scaled in the kernel as before
     monkeypatch.setattr(gluon_backward, "DQ_RAW", tma != "dq-scaled")
-    # D=64: each warpgroup the dq2 of its own keys every step (OWN_DQ64, eighteenth session: off)
-    monkeypatch.setattr(gluon_backward, "OWN_DQ64", tma == "own-dq")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))

@@ -80,7 +80,10 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   before its exponentials (S_AHEAD, FlashAttention-3's intra-warpgroup overlap at D=64; waited for
   before the loop's back edge, since accumulators in flight there are moved between registers and
   ptxas then serializes the wgmma; the moves cost 80 instructions a step): 5.36 -> 5.59 ms, causal
-  2.84 -> 2.90.
+  2.84 -> 2.90; at D=64 each warpgroup adding the dq2 of its own 64 keys every step, no turn and no
+  wait for the other's dS half (OWN_DQ64, commit 0370f90): 5.31 -> 7.05 ms, causal 2.81 -> 3.80,
+  so the dq2 reductions (their shared-memory staging and the float32 adds in L2) cost more than
+  the turn's wait (13 % of a consumer warpgroup's stall samples).
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -476,7 +479,7 @@ if GLUON_IMPORT_ERROR is None:
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
                       LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr, G_ONE: gl.constexpr,
-                      DQ_RAW: gl.constexpr, OWN_DQ: gl.constexpr):
+                      DQ_RAW: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -665,8 +668,7 @@ if GLUON_IMPORT_ERROR is None:
                     ds1_own = ds1_all.slice(WG * HALF, HALF, dim=1)
                     ds1_own.store(ds1.to(ds_smem.dtype))
                 hopper.fence_async_shared()
-                if not OWN_DQ:  # (OWN_DQ: no warpgroup reads the other's half)
-                    mbarrier.arrive(ds_bar.index(i % 2), count=1)
+                mbarrier.arrive(ds_bar.index(i % 2), count=1)
                 # dS^T as a transposed (MN-major) shared operand
                 ds_own = ds_own.permute((1, 0))
                 if BOTH:
@@ -702,10 +704,6 @@ if GLUON_IMPORT_ERROR is None:
                                        dq_col + h_in * D + WG * 64)
                     else:
                         _add_dq(p_rows + (WG * DQ_COLS + o_dq_col)[None, :], _dq_out(dq, out_scale2, DQ_RAW), VEC)
-                elif OWN_DQ:  # each warpgroup the dq2 of its own 64 keys, every step: no wait for the other's half
-                    dq = hopper.warpgroup_mma(ds_all.slice(WG * HALF, HALF, dim=1), ka2, zero_q, use_acc=False)
-                    _reduce_dq(dq_desc, dq_smem, _dq_out(dq, out_scale2, DQ_RAW), q_row + tile_row0,
-                               dq_col + h_in * D)
                 elif i % 2 == WG:  # (each warpgroup waits on every phase of its own buffer's barrier)
                     mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
                     dq = hopper.warpgroup_mma(ds_all, kb2, zero_q, use_acc=False)
@@ -742,7 +740,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr, OWN_DQ: gl.constexpr):
+                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -750,7 +748,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, OWN_DQ)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -794,7 +792,6 @@ if GLUON_IMPORT_ERROR is None:
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
         G_ONE: gl.constexpr = False,  # student: one g for every row (a reduced loss), in the output scales (`G_ONE`)
         DQ_RAW: gl.constexpr = False,  # student: dq2 added unscaled, the host's flush scales it (`DQ_RAW`)
-        OWN_DQ: gl.constexpr = False,  # student, D=64: each warpgroup the dq2 of its own keys (`OWN_DQ64`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -911,7 +908,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, OWN_DQ)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -919,7 +916,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, OWN_DQ)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -1030,20 +1027,6 @@ def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool |
     """Whether a launch reads one g for every row (`G_ONE`, or `switch` if given): the student
     kernel, g expanded from one value (strides 0), not rescaled (bfloat16)."""
     return bool(G_ONE if switch is None else switch) and not both and unscaled and not any(grad_rows.stride())
-
-
-#: Student kernel at D=64 (dq2 by TMA, not DQ_SPLIT64): each consumer warpgroup adds the dq2 of its
-#: own 64 keys every step (a [64, 64] product and TMA reduction) instead of one warpgroup that of all
-#: 128 every other step once the other's dS half is stored: no warpgroup waits for the other (the
-#: turn's wait was 13 % of a warpgroup's stall samples, eighteenth session's Nsight Compute source
-#: counters), for twice the reductions into the float32 buffer.
-OWN_DQ64 = False
-
-
-def own_dq_on(constexprs: dict, switch: bool | None = None) -> bool:
-    """Whether a launch adds each warpgroup's own dq2 every step (`OWN_DQ64`, or `switch`)."""
-    return bool(OWN_DQ64 if switch is None else switch) and not constexprs["BOTH"] and constexprs["D"] == 64 \
-        and constexprs["DQ_COLS"] == 64 and bool(constexprs["DQ_TMA"])
 
 
 def dq_raw_on(both: bool, switch: bool | None = None) -> bool:
@@ -1218,7 +1201,6 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
     constexprs["G_ONE"] = g_one_on(both, grad_rows, unscaled)
     constexprs["DQ_RAW"] = dq_raw_on(both)
-    constexprs["OWN_DQ"] = own_dq_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1330,7 +1312,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, DQ_RAW, OWN_DQ64)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, DQ_RAW)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1421,7 +1403,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
-                       dq_raw: bool | None = None, own_dq: bool | None = None):
+                       dq_raw: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
@@ -1466,5 +1448,4 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     constexprs["G_ONE"] = g_one and not both and dtype != torch.float16
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
-    constexprs["OWN_DQ"] = own_dq_on(constexprs, own_dq)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
