@@ -1183,8 +1183,8 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
 
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
-    keys = program_keys(problem, both)
-    k_programs = -(-problem.seqlen_k // keys)
+    span = program_keys(problem, both)  # keys a program
+    k_programs = -(-problem.seqlen_k // span)
     heads = problem.heads if heads is None else heads
     varlen = problem.is_varlen
     cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (None, None)
@@ -1211,9 +1211,9 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
         scale1, scale2, scale2 * LN2, scale1 * LN2, k_programs,
     )  # fmt: skip
     use_tma = bool(DQ_TMA)
-    ds_layout = ds_shared_layout(problem.dtype, keys)
-    constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2) if keys == BLOCK_N else 3,
-                      CAUSAL=problem.causal, KEYS=keys,
+    ds_layout = ds_shared_layout(problem.dtype, span)
+    constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2) if span == BLOCK_N else 3,
+                      CAUSAL=problem.causal, KEYS=span,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
