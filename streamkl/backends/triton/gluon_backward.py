@@ -925,7 +925,9 @@ if GLUON_IMPORT_ERROR is None:
                                      n_per, D, GQA2, rot, ROT)),
             ],
             [4, 1],
-            [240, 32],  # (the default partition gets the rest, 240; with 232 / 40 BOTH spilled 40 % more)
+            [240, 24 if KEYS == 256 else 32],  # (the default partition gets the rest of 3 x 168: 232 with 240 /
+            # 32, as launched since the fifth session; 240 with KEYS256's 240 / 24; with 232 / 40 BOTH spilled
+            # 40 % more)
         )
 
 
@@ -1034,7 +1036,10 @@ def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool |
 #: side-2 GQA): 256 keys a program, each consumer warpgroup owning 128 (score tiles [64, 128], dk2
 #: [128, 64] in registers), so that each query step's dq2 tile is reduced into the float32 buffer
 #: once for 256 keys instead of 128: half the reductions (the eighteenth session's OWN_DQ64, which
-#: doubled them, cost 33 %).
+#: doubled them, cost 33 %). Both consumer warpgroups at 240 registers (the producer's 24); sm_90a:
+#: 667 instructions a step of 256 keys (392 a step of 128), ptxas spills 164 B non-causal, 836 B
+#: causal (mostly the diagonal's loop). Written and simulated in the eighteenth session, not yet run
+#: on a GPU.
 KEYS256 = False
 
 
