@@ -23,6 +23,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --dq-raw  # dq2 added unscaled, the flush scales it (DQ_RAW)
     ... --backward --keys256  # D=64: 256 keys a program (KEYS256), the cases it takes
     ... --backward --g-one [--dq-raw]  # one g for every row, in the output scales (G_ONE)
+    ... --backward --both --g-one  # the same in the BOTH kernel (G_ONE_BOTH)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -377,7 +378,12 @@ def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torc
     upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     rows = ref_lse1.isfinite().transpose(-1, -2)  # [B, N, H] (varlen [T, H]) as the rows
     upstream = torch.where(rows, upstream, 0.0)
-    refs = torch.autograd.grad((ref * upstream).sum(), leaves)
+    g_in = upstream.float()
+    if UNIFORM_G:  # a reduced loss's g: one value expanded over the rows (G_ONE_BOTH); no case here has
+        # rows of infinite KL (side 2's keys hold side 1's), and rows without side-1 keys have KL 0
+        g_in = torch.tensor(-0.37).expand(ref.shape)
+        upstream = g_in.double()
+    refs = torch.autograd.grad((ref.nan_to_num(posinf=0.0) * upstream).sum(), leaves)
     refs = [r.nan_to_num(0.0) for r in refs]
     problem64 = build_problem(*(t.detach() for t in leaves), allow_float64=True, **kwargs)
     (_, lse1, lse2, expect), _ = run_forward(problem64, TorchChunkedBackend(), *(t.detach() for t in leaves))
@@ -387,8 +393,7 @@ def simulate_both(triton_viz, client, batch, n_q, n_k, heads, causal, dtype=torc
     kernel = triton_viz.trace(client(), frontend="gluon")(gluon_backward._kl_bwd_gluon_kernel)
     start = time.time()
     with _wrapper_launches(kernel, chunks, _traced_flush(triton_viz, client)):
-        got = gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, upstream.float(),
-                                              schedule)
+        got = gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, g_in, schedule)
     errors = [((a.double() - e).norm() / e.norm()).item() for a, e in zip(got, refs)]
     finite = all(bool(a.isfinite().all()) for a in got)
     extra = (f" mask {mask}" if mask is not None else "") + (f" window {window}" if window != (-1, -1) else "")
@@ -511,7 +516,7 @@ def main():
         from streamkl.backends.triton import backward, gluon_backward
 
         global UNIFORM_G
-        UNIFORM_G = gluon_backward.G_ONE = True
+        UNIFORM_G = gluon_backward.G_ONE = gluon_backward.G_ONE_BOTH = True
         backward.rescaled_upstream = lambda problem, grad_rows, lse1: (grad_rows.float(), None)
         backward_cases = [c for c in backward_cases if len(c) < 9 or c[8] is None]
     if "--listed-loops" in sys.argv:  # block masks / windows: full pairs' and partial pairs' loops (LISTED_LOOPS)

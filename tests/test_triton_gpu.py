@@ -1331,6 +1331,8 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         "    'backward D64 causal (DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, True)),\n"
         "    'backward D64 256 keys (KEYS256)': (False, lambda: b.compile_for_hopper(bf16, 64, False, g_one=True,"
         " keys=256)),\n"
+        "    'backward both sides reduced loss (G_ONE_BOTH)': (False, lambda: b.compile_for_hopper(bf16, 128, True,"
+        " both=True, g_one=True)),\n"
         "    'backward D64 reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 64, False,"
         " g_one=True, dq_raw=True)),\n"
         "    'backward reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 128, True,"
@@ -1576,6 +1578,53 @@ def test_gluon_student_backward_reduced_loss(monkeypatch, raw):
     # float16: g rescaled per row (`backward.rescaled_upstream`), so not taken
     x = make_inputs((2, 256), (2, 384), 4, (2, 4), (64, 64), torch.float16, DEVICE, student)
     check(x, taken=False)
+
+
+@gpu
+def test_gluon_both_sides_backward_reduced_loss(monkeypatch):
+    """`G_ONE_BOTH` (eighteenth session: off): the BOTH kernel with a reduced loss's one g taken out
+    of dS1 and dS2 and into the four output scales: a negative multiple of the summed KL, all four
+    gradients against the float64 reference; dense causal, block masks on side 1 only (rows without
+    side-1 keys), a window, packed sequences of whole tiles."""
+    from streamkl.backends.triton import gluon_backward
+
+    gluon_forward = _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    monkeypatch.setattr(gluon_backward, "G_ONE_BOTH", True)
+    seen = []
+    plan = gluon_backward.launch_plan
+
+    def spy(*args, **kwargs):
+        out = plan(*args, **kwargs)
+        seen.append((out[2]["BOTH"], out[2]["G_ONE"]))
+        return out
+
+    monkeypatch.setattr(gluon_backward, "launch_plan", spy)
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.rand(2, 4, 3, 3, generator=gen) < 0.5
+    blocks[0, 0, 0] = False  # a row tile without side-1 keys
+    lens = [(128, 256), (0, 0), (256, 256)]
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    for shape_q, shape_k, kwargs in (((2, 256), (2, 384), dict(causal=True)),
+                                      ((2, 384), (2, 384), dict(mask1=BlockMask.from_dense(blocks.to(DEVICE)))),
+                                      ((2, 256), (2, 256), dict(window=(100, 30))),
+                                      ((int(cu_q[-1]),), (int(cu_k[-1]),), dict(causal=True, cu_seqlens=cu_q,
+                                                                                cu_seqlens_k=cu_k))):
+        seen.clear()
+        x = make_inputs(shape_q, shape_k, 4, (4, 4), (128, 128), torch.bfloat16, DEVICE)
+        loss = -0.37 * streamkl.kl(*x, backend="triton", reduction="sum", **kwargs)
+        got = torch.autograd.grad(loss, x)
+        leaves = [t.detach().double().requires_grad_(True) for t in x]
+        ref = reference_kl(*leaves, **kwargs)[0]
+        assert torch.isfinite(ref).all()
+        want = torch.autograd.grad(-0.37 * ref.sum(), leaves)
+        assert seen and all(value == (True, True) for value in seen), (seen, kwargs)
+        for name, a, b in zip(("dq1", "dk1", "dq2", "dk2"), got, want):
+            assert torch.isfinite(a).all(), name
+            assert rel_l2(a, b.nan_to_num(0.0)) <= 2e-2, (name, rel_l2(a, b.nan_to_num(0.0)), kwargs)
 
 
 @pytest.mark.parametrize("two", [False, True])

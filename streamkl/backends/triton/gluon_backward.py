@@ -425,6 +425,13 @@ if GLUON_IMPORT_ERROR is None:
         return g[:, None] * x
 
     @gluon.jit
+    def _ds1(g, p, t, e_row, G_ONE: gl.constexpr):
+        """BOTH's dS1 = g p (t ln 2 + E'), t = log2(p / q), E' the row's minus KL; G_ONE: without g."""
+        if G_ONE:
+            return p * (t * 0.6931471805599453 + e_row[:, None])
+        return g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
+
+    @gluon.jit
     def _full_pair(st1, st2, scale1, scale2, lse1, lse2, g, e_row, BOTH: gl.constexpr, p_in=None,
                    G_ONE: gl.constexpr = False):
         """LISTED: (dS2, dS1) of a step of a full pair (every row has keys on both sides); dS1 is
@@ -433,7 +440,7 @@ if GLUON_IMPORT_ERROR is None:
         ds = _times_g(g, q - p, G_ONE)
         ds1 = ds
         if BOTH:
-            ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
+            ds1 = _ds1(g, p, t, e_row, G_ONE)
         return ds, ds1
 
     @gluon.jit
@@ -449,7 +456,7 @@ if GLUON_IMPORT_ERROR is None:
         if BOTH:  # (side 2 allows every key side 1 does: `applies_both`); selected, as t and E are NaN
             # on rows without keys (lse +inf, E -inf - -inf)
             t = (st1 * scale1 - lse1[:, None]) - (st2 * scale2 - lse2[:, None])
-            ds1 = gl.where(a1, g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None]), 0.0)
+            ds1 = gl.where(a1, _ds1(g, p, t, e_row, G_ONE), 0.0)
         return ds, ds1
 
     @gluon.jit
@@ -654,7 +661,7 @@ if GLUON_IMPORT_ERROR is None:
                         q = gl.where(allowed, q, 0.0)
                     ds = _times_g(g, q - p, G_ONE)
                     if BOTH:  # dS1 = g p (ln(p / q) - KL) = g p ((s1 - s2) ln 2 - E); 0 where p is
-                        ds1 = g[:, None] * p * (t * 0.6931471805599453 + e_row[:, None])
+                        ds1 = _ds1(g, p, t, e_row, G_ONE)
                 ds_t = ds.to(ds_smem.dtype)  # this warpgroup's [rows, keys] of dS2, in the input dtype
                 # dS2 through shared memory, the tile's [rows, 128 keys] (the warpgroups' halves side
                 # by side): dk2 += dS2^T q2 reads this warpgroup's half transposed, dq2 = dS2 k2 both.
@@ -808,7 +815,9 @@ if GLUON_IMPORT_ERROR is None:
             out_scale2 = out_scale2 * gl.load(G_SCALE)
             out_scale1 = out_scale1 * gl.load(G_SCALE)
         if G_ONE:  # dS2 = q - p: g (the one value of a reduced loss's expanded g) comes back with the scale
-            out_scale2 = out_scale2 * gl.load(GRAD)
+            g_one = gl.load(GRAD)
+            out_scale2 = out_scale2 * g_one
+            out_scale1 = out_scale1 * g_one  # (BOTH: dS1 = p (ln(p / q) - KL), G_ONE_BOTH)
         seq = pid_bh // heads
         if GQA2:  # the group's first query head (side 1's key head is the group's: group1 % group2 == 0)
             head = head_lo + (pid_bh % heads) * group2
@@ -1026,10 +1035,18 @@ G_ONE = True
 DQ_RAW = True
 
 
+#: G_ONE in the BOTH kernel too (dS1 = p (ln(p / q) - KL), g in dk1's and dq1's scales as in dk2's
+#: and dq2's: two float32 multiplies a score fewer). Written and simulated in the eighteenth
+#: session, not yet run on a GPU.
+G_ONE_BOTH = False
+
+
 def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool | None = None) -> bool:
     """Whether a launch reads one g for every row (`G_ONE`, or `switch` if given): the student
-    kernel, g expanded from one value (strides 0), not rescaled (bfloat16)."""
-    return bool(G_ONE if switch is None else switch) and not both and unscaled and not any(grad_rows.stride())
+    kernel (with `G_ONE_BOTH` the BOTH kernel too), g expanded from one value (strides 0), not
+    rescaled (bfloat16)."""
+    on = bool(G_ONE if switch is None else switch) and (not both or bool(G_ONE_BOTH))
+    return on and unscaled and not any(grad_rows.stride())
 
 
 #: D=64 student kernel, dense whole tiles of 256 keys (no block masks / window, not packed, no
@@ -1342,7 +1359,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, DQ_RAW, KEYS256)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, KEYS256)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1478,6 +1495,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["LSPLIT"] = listed_loops(constexprs, split_listed)
     constexprs["EARLY_P"] = early_p_on(constexprs, early_p)
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
-    constexprs["G_ONE"] = g_one and not both and dtype != torch.float16
+    constexprs["G_ONE"] = g_one and dtype != torch.float16
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
