@@ -83,7 +83,9 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   2.84 -> 2.90; at D=64 each warpgroup adding the dq2 of its own 64 keys every step, no turn and no
   wait for the other's dS half (OWN_DQ64, commit 0370f90): 5.31 -> 7.05 ms, causal 2.81 -> 3.80,
   so the dq2 reductions (their shared-memory staging and the float32 adds in L2) cost more than
-  the turn's wait (13 % of a consumer warpgroup's stall samples).
+  the turn's wait (13 % of a consumer warpgroup's stall samples). Written then, off, not yet run
+  on a GPU: 256 keys a program at D=64 (KEYS256: half the dq2 reductions a key) and G_ONE in the
+  BOTH kernel (G_ONE_BOTH).
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
