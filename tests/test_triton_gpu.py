@@ -989,12 +989,13 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("switch", ["STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS_BOTH"])
+@pytest.mark.parametrize("switch", ["STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS_BOTH", "EVEN_REGS"])
 def test_gluon_both_sides_backward_switches(monkeypatch, switch):
     """BOTH with each step's statistics loaded a step ahead (`STATS_AHEAD_BOTH`), with causal
     programs' diagonal steps last (`DIAG_LAST`; packed causal sequences too), with a block mask's
     full and partial pairs in two loops (`LISTED_LOOPS_BOTH`; all three fifteenth session, run on
-    the H200 there): dense causal and not, a block mask on both sides, two head chunks, against the
+    the H200 there), with both consumer warpgroups at 240 registers (`EVEN_REGS`, eighteenth session,
+    not yet run on a GPU): dense causal and not, a block mask on both sides, two head chunks, against the
     float64 reference."""
     from streamkl import BlockMask
     from streamkl.backends.triton import backward
@@ -1331,6 +1332,8 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         "    'backward D64 causal (DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, True)),\n"
         "    'backward D64 256 keys (KEYS256)': (False, lambda: b.compile_for_hopper(bf16, 64, False, g_one=True,"
         " keys=256)),\n"
+        "    'backward both sides causal (EVEN_REGS)': (False, lambda: b.compile_for_hopper(bf16, 128, True,"
+        " both=True, even_regs=True)),\n"
         "    'backward both sides reduced loss (G_ONE_BOTH)': (False, lambda: b.compile_for_hopper(bf16, 128, True,"
         " both=True, g_one=True)),\n"
         "    'backward D64 reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 64, False,"
@@ -1365,10 +1368,10 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
 
 @gpu
 @pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
-                                 "dq-scaled", "keys256"],
+                                 "dq-scaled", "keys256", "even-regs"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
                               "tma-early-p", "tma-dk-defer", "tma-dq-scaled",
-                              "tma-keys256"])
+                              "tma-keys256", "tma-even-regs"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1402,6 +1405,8 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # D=64, dense whole tiles: 256 keys a program (KEYS256, eighteenth session: off; its own cases at
     # the end, and the D=64 bfloat16 case below)
     monkeypatch.setattr(gluon_backward, "KEYS256", tma == "keys256")
+    # both consumer warpgroups at 240 registers, the producer 24 (EVEN_REGS, eighteenth session: off)
+    monkeypatch.setattr(gluon_backward, "EVEN_REGS", tma == "even-regs")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))

@@ -802,6 +802,7 @@ if GLUON_IMPORT_ERROR is None:
         G_ONE: gl.constexpr = False,  # student: one g for every row (a reduced loss), in the output scales (`G_ONE`)
         DQ_RAW: gl.constexpr = False,  # student: dq2 added unscaled, the host's flush scales it (`DQ_RAW`)
         KEYS: gl.constexpr = 128,  # keys a program (256: D=64 student, `KEYS256`), half a consumer warpgroup's
+        EVEN_REGS: gl.constexpr = False,  # both consumer warpgroups 240 registers, the producer 24 (`EVEN_REGS`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -936,9 +937,9 @@ if GLUON_IMPORT_ERROR is None:
                                      n_per, D, GQA2, rot, ROT)),
             ],
             [4, 1],
-            [240, 24 if KEYS == 256 else 32],  # (the default partition gets the rest of 3 x 168: 232 with 240 /
-            # 32, as launched since the fifth session; 240 with KEYS256's 240 / 24; with 232 / 40 BOTH spilled
-            # 40 % more)
+            [240, 24 if KEYS == 256 or EVEN_REGS else 32],  # (the default partition gets the rest of 3 x 168:
+            # 232 with 240 / 32, as launched since the fifth session; 240 with 240 / 24 (KEYS256, EVEN_REGS);
+            # with 232 / 40 BOTH spilled 40 % more)
         )
 
 
@@ -1073,6 +1074,13 @@ def program_keys(problem: Problem, both: bool, switch: bool | None = None) -> in
     if problem.seqlen_k % 256 or problem.seqlen_q % BLOCK_M or problem.seqlen_q == 0:
         return BLOCK_N
     return 256
+
+
+#: Every launch: both consumer warpgroups at 240 registers, the producer warp(group) at 24 (worker
+#: registers 240 / 24), instead of 240 / 32, which leaves the default partition (consumer 0) 232 of
+#: the 3 x 168 (KEYS256 launches always take 240 / 24). sm_90a: BOTH causal's spills 632 -> 548 B,
+#: non-causal 80 -> 52 B; the student builds spill nothing either way. Not yet measured.
+EVEN_REGS = False
 
 
 def dq_raw_on(both: bool, switch: bool | None = None) -> bool:
@@ -1250,6 +1258,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
     constexprs["G_ONE"] = g_one_on(both, grad_rows, unscaled)
     constexprs["DQ_RAW"] = dq_raw_on(both)
+    constexprs["EVEN_REGS"] = bool(EVEN_REGS)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1361,7 +1370,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, KEYS256)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, KEYS256, EVEN_REGS)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1454,7 +1463,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
-                       dq_raw: bool | None = None, keys: int = BLOCK_N):
+                       dq_raw: bool | None = None, keys: int = BLOCK_N, even_regs: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
@@ -1499,4 +1508,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     constexprs["G_ONE"] = g_one and dtype != torch.float16
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
+    constexprs["EVEN_REGS"] = bool(EVEN_REGS if even_regs is None else even_regs)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
