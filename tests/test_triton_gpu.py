@@ -1366,6 +1366,24 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
             assert max(result["spills"]) == 0, (name, result["text"])
 
 
+def _spy_launch_constexprs(monkeypatch, *names) -> list:
+    """A list that grows by the Gluon backward's constexprs `names` (a value for one name, else a
+    tuple) each time `gluon_backward.launch_plan` makes a launch plan."""
+    from streamkl.backends.triton import gluon_backward
+
+    seen = []
+    plan = gluon_backward.launch_plan
+
+    def spy(*args, **kwargs):
+        out = plan(*args, **kwargs)
+        values = tuple(out[2][name] for name in names)
+        seen.append(values[0] if len(names) == 1 else values)
+        return out
+
+    monkeypatch.setattr(gluon_backward, "launch_plan", spy)
+    return seen
+
+
 @gpu
 @pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
                                  "dq-scaled", "keys256", "even-regs"],
@@ -1496,15 +1514,7 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
         assert rel_l2(a.float(), b.float()) < 1e-2
     if tma == "keys256":  # the problems 256-key programs take: D=64, dense, keys a multiple of 256
         monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
-        seen = []
-        plan = gluon_backward.launch_plan
-
-        def spy(*args, **kwargs):
-            out = plan(*args, **kwargs)
-            seen.append(out[2]["KEYS"])
-            return out
-
-        monkeypatch.setattr(gluon_backward, "launch_plan", spy)
+        seen = _spy_launch_constexprs(monkeypatch, "KEYS")
         for causal, n_q, n_k, heads_k, dtype in ((False, 256, 512, (2, 4), bf16), (True, 320, 512, (4, 4), fp16),
                                                  (True, 512, 512, (1, 4), bf16), (False, 64, 768, (2, 4), bf16)):
             seen.clear()
@@ -1530,15 +1540,7 @@ def test_gluon_student_backward_reduced_loss(monkeypatch, raw):
     monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
     monkeypatch.setattr(gluon_backward, "G_ONE", True)
     monkeypatch.setattr(gluon_backward, "DQ_RAW", raw)
-    seen = []
-    plan = gluon_backward.launch_plan
-
-    def spy(*args, **kwargs):
-        out = plan(*args, **kwargs)
-        seen.append(out[2]["G_ONE"])
-        return out
-
-    monkeypatch.setattr(gluon_backward, "launch_plan", spy)
+    seen = _spy_launch_constexprs(monkeypatch, "G_ONE")
     bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(3)
 
@@ -1598,15 +1600,7 @@ def test_gluon_both_sides_backward_reduced_loss(monkeypatch):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
     monkeypatch.setattr(gluon_backward, "G_ONE_BOTH", True)
-    seen = []
-    plan = gluon_backward.launch_plan
-
-    def spy(*args, **kwargs):
-        out = plan(*args, **kwargs)
-        seen.append((out[2]["BOTH"], out[2]["G_ONE"]))
-        return out
-
-    monkeypatch.setattr(gluon_backward, "launch_plan", spy)
+    seen = _spy_launch_constexprs(monkeypatch, "BOTH", "G_ONE")
     gen = torch.Generator().manual_seed(5)
     blocks = torch.rand(2, 4, 3, 3, generator=gen) < 0.5
     blocks[0, 0, 0] = False  # a row tile without side-1 keys
