@@ -21,7 +21,6 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
     ... --backward --dq-raw  # dq2 added unscaled, the flush scales it (DQ_RAW)
-    ... --backward --keys256  # D=64: 256 keys a program (KEYS256), the cases it takes
     ... --backward --g-one [--dq-raw]  # one g for every row, in the output scales (G_ONE)
     ... --backward --both --g-one  # the same in the BOTH kernel (G_ONE_BOTH)
 
@@ -498,15 +497,6 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DK_DEFER_EVERYWHERE = True
-    if "--keys256" in sys.argv:  # D=64, dense whole tiles: 256 keys a program (KEYS256); the cases it takes
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.KEYS256 = True
-        backward_cases = [(1, 64, 256, 1, 1, 64, False), (1, 128, 256, 2, 1, 64, True), (2, 192, 512, 2, 2, 64, True),
-                          (1, 256, 512, 2, 1, 64, False), (1, 256, 256, 4, 2, 64, False, torch.float16, None,
-                                                            (-1, -1), 2),
-                          (1, 320, 512, 4, 2, 64, True, torch.float16, None, (-1, -1), 2),
-                          (1, 256, 384, 2, 1, 64, False)]  # (the last: 384 keys, not taken)
     if "--dq-raw" in sys.argv:  # dq2 added unscaled, the flush scales it (DQ_RAW)
         from streamkl.backends.triton import gluon_backward
 

@@ -1330,8 +1330,6 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         " True, True)),\n"
         "    'backward D64 (EARLY_P, DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, False)),\n"
         "    'backward D64 causal (DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, True)),\n"
-        "    'backward D64 256 keys (KEYS256)': (False, lambda: b.compile_for_hopper(bf16, 64, False, g_one=True,"
-        " keys=256)),\n"
         "    'backward both sides causal (EVEN_REGS)': (False, lambda: b.compile_for_hopper(bf16, 128, True,"
         " both=True, even_regs=True)),\n"
         "    'backward both sides reduced loss (G_ONE_BOTH)': (False, lambda: b.compile_for_hopper(bf16, 128, True,"
@@ -1386,10 +1384,10 @@ def _spy_launch_constexprs(monkeypatch, *names) -> list:
 
 @gpu
 @pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
-                                 "dq-scaled", "keys256", "even-regs"],
+                                 "dq-scaled", "even-regs"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
                               "tma-early-p", "tma-dk-defer", "tma-dq-scaled",
-                              "tma-keys256", "tma-even-regs"])
+                              "tma-even-regs"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1420,9 +1418,6 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # dq2 added unscaled, the flush scaling it (DQ_RAW, eighteenth session: on; with these per-row g,
     # in the float16 cases times g's rescaling factor), or scaled in the kernel as before
     monkeypatch.setattr(gluon_backward, "DQ_RAW", tma != "dq-scaled")
-    # D=64, dense whole tiles: 256 keys a program (KEYS256, eighteenth session: off; its own cases at
-    # the end, and the D=64 bfloat16 case below)
-    monkeypatch.setattr(gluon_backward, "KEYS256", tma == "keys256")
     # both consumer warpgroups at 240 registers, the producer 24 (EVEN_REGS, eighteenth session: off)
     monkeypatch.setattr(gluon_backward, "EVEN_REGS", tma == "even-regs")
     calls = []
@@ -1512,15 +1507,6 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     assert len(calls) == 1
     for a, b in zip(got, want):
         assert rel_l2(a.float(), b.float()) < 1e-2
-    if tma == "keys256":  # the problems 256-key programs take: D=64, dense, keys a multiple of 256
-        monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
-        seen = _spy_launch_constexprs(monkeypatch, "KEYS")
-        for causal, n_q, n_k, heads_k, dtype in ((False, 256, 512, (2, 4), bf16), (True, 320, 512, (4, 4), fp16),
-                                                 (True, 512, 512, (1, 4), bf16), (False, 64, 768, (2, 4), bf16)):
-            seen.clear()
-            x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (64, 64), dtype, DEVICE, (False, False, True, True))
-            check_against_reference(x, "triton", causal=causal)
-            assert seen == [256], seen
 
 
 @gpu

@@ -83,9 +83,11 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   2.84 -> 2.90; at D=64 each warpgroup adding the dq2 of its own 64 keys every step, no turn and no
   wait for the other's dS half (OWN_DQ64, commit 0370f90): 5.31 -> 7.05 ms, causal 2.81 -> 3.80,
   so the dq2 reductions (their shared-memory staging and the float32 adds in L2) cost more than
-  the turn's wait (13 % of a consumer warpgroup's stall samples). Written then, off, not yet run
-  on a GPU: 256 keys a program at D=64 (KEYS256: half the dq2 reductions a key) and G_ONE in the
-  BOTH kernel (G_ONE_BOTH).
+  the turn's wait (13 % of a consumer warpgroup's stall samples).
+- nineteenth session, measured and removed (commit a81fede has it): 256 keys a program at D=64,
+  each consumer warpgroup owning 128 (KEYS256: half the dq2 reductions a key, 667 instructions a
+  step of 256 keys against 2 x 392, ptxas spilling 164 / 836 B): 5.31 -> 5.34 ms, causal 2.80 ->
+  2.96. Halving the reductions bought nothing, so they are not what bounds the kernel either.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -341,9 +343,9 @@ if GLUON_IMPORT_ERROR is None:
         return dq * out_scale2
 
     @gluon.jit
-    def _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M: gl.constexpr, KEYS: gl.constexpr = 128):
+    def _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M: gl.constexpr):
         """DIAG: how many of a causal program's steps, from its first, meet the diagonal (masked)."""
-        x = gl.maximum(k0 + KEYS - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
+        x = gl.maximum(k0 + 2 * 64 - 1 - offset, 0)  # steps from row 0 below x: on the diagonal
         return gl.minimum(gl.maximum((x + BLOCK_M - 1) // BLOCK_M - first_tile, 0), n_tiles)
 
     @gluon.jit
@@ -488,17 +490,17 @@ if GLUON_IMPORT_ERROR is None:
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
                       LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr, G_ONE: gl.constexpr,
-                      DQ_RAW: gl.constexpr, KEYS: gl.constexpr):
+                      DQ_RAW: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
         each warpgroup its DQ_COLS columns every tile (D=128: 64; D=64 with DQ_SPLIT64: 32), or at
         D=64 with DQ_COLS 64 one warpgroup all 64 (turns by tile parity)."""
-        HALF: gl.constexpr = KEYS // 2  # this warpgroup's keys (KEYS 256, D=64: 128; `KEYS256`)
+        HALF: gl.constexpr = 64
         # the score tiles [rows, keys] (S = q k^T: the rows across the wgmma M dimension, each thread
         # two rows' statistics; as S^T = k q^T, before the eleventh session, sixteen rows' a thread)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
+                                                           instr_shape=[16, 64, 16])
         d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])  # [keys or rows, D]
         key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -506,7 +508,7 @@ if GLUON_IMPORT_ERROR is None:
         o_j = k0 + WG * HALF + gl.arange(0, HALF, layout=key_layout)  # sequence-local keys
         ka1 = k1_smem.slice(WG * HALF, HALF)
         ka2 = k2_smem.slice(WG * HALF, HALF)
-        gl.static_assert(BLOCK_M == 64)
+        gl.static_assert(BLOCK_M == HALF)  # (the layout above: both dims of a score tile 64)
         zero_s = gl.zeros([BLOCK_M, HALF], gl.float32, s_layout)
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_COLS, 16])  # [rows, DQ_COLS of D]
@@ -529,7 +531,7 @@ if GLUON_IMPORT_ERROR is None:
         # DIAG (causal, dense whole tiles, no GQA): two loops, the steps on the diagonal (masked) then
         # the rest (no mask: with BOTH the masks' registers made ptxas spill in every step)
         if DIAG:
-            n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M, KEYS)
+            n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
         elif LSPLIT:  # LISTED_LOOPS: the full pairs' steps (listed first), then the partial pairs'
             n_diag = gl.minimum(2 * n_full_listed, n_tiles)
         else:
@@ -749,7 +751,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr, KEYS: gl.constexpr):
+                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -757,7 +759,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, KEYS)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -801,7 +803,6 @@ if GLUON_IMPORT_ERROR is None:
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
         G_ONE: gl.constexpr = False,  # student: one g for every row (a reduced loss), in the output scales (`G_ONE`)
         DQ_RAW: gl.constexpr = False,  # student: dq2 added unscaled, the host's flush scales it (`DQ_RAW`)
-        KEYS: gl.constexpr = 128,  # keys a program (256: D=64 student, `KEYS256`), half a consumer warpgroup's
         EVEN_REGS: gl.constexpr = False,  # both consumer warpgroups 240 registers, the producer 24 (`EVEN_REGS`)
     ):
         pid = gl.program_id(0)
@@ -828,7 +829,7 @@ if GLUON_IMPORT_ERROR is None:
         else:
             head = head_lo + pid_bh % heads
             head2 = head
-        k_fresh = pid_k * KEYS  # this program's keys from here (earlier ones: the tile before)
+        k_fresh = pid_k * 128  # this program's keys from here (earlier ones: the tile before)
         if VARLEN:  # packed sequences: rows start_q ..., keys start_k ...; grid sized by the longest
             start_q = gl.load(CU_Q + seq)
             seqlen_q = gl.load(CU_Q + seq + 1) - start_q
@@ -846,7 +847,7 @@ if GLUON_IMPORT_ERROR is None:
                 return
         k0 = k_fresh
         if TAIL:  # a last partial key tile shifted back to end at the sequence's last key
-            k0 = gl.minimum(k_fresh, seqlen_k - KEYS)
+            k0 = gl.minimum(k_fresh, seqlen_k - 128)
         offset = seqlen_k - seqlen_q
         first_tile = 0
         if CAUSAL:  # query rows i see key k_fresh once i + offset >= k_fresh
@@ -873,10 +874,10 @@ if GLUON_IMPORT_ERROR is None:
 
         q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
-        k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [KEYS, D], k1_desc.layout)
-        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [KEYS, D], k2_desc.layout)
+        k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
         # two buffers
-        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, KEYS], DS_LAYOUT)
+        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
         if BOTH:
             ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
             both = (ds1_smem, DK1, EXPECT, dq1_desc, out_scale1)
@@ -911,7 +912,7 @@ if GLUON_IMPORT_ERROR is None:
         dq_col = (head - head_lo) * D  # DQ_TMA: the head's first column in the chunk's accumulator
         rot = 0
         if ROT:  # the producer's stream starts past the diagonal's steps
-            rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M, KEYS)
+            rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
         gl.warp_specialize(
             [
                 (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
@@ -921,7 +922,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, KEYS)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -929,7 +930,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, KEYS)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -937,8 +938,8 @@ if GLUON_IMPORT_ERROR is None:
                                      n_per, D, GQA2, rot, ROT)),
             ],
             [4, 1],
-            [240, 24 if KEYS == 256 or EVEN_REGS else 32],  # (the default partition gets the rest of 3 x 168:
-            # 232 with 240 / 32, as launched since the fifth session; 240 with 240 / 24 (KEYS256, EVEN_REGS);
+            [240, 24 if EVEN_REGS else 32],  # (the default partition gets the rest of 3 x 168:
+            # 232 with 240 / 32, as launched since the fifth session; 240 with 240 / 24 (EVEN_REGS);
             # with 232 / 40 BOTH spilled 40 % more)
         )
 
@@ -1052,33 +1053,9 @@ def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool |
     return on and unscaled and not any(grad_rows.stride())
 
 
-#: D=64 student kernel, dense whole tiles of 256 keys (no block masks / window, not packed, no
-#: side-2 GQA): 256 keys a program, each consumer warpgroup owning 128 (score tiles [64, 128], dk2
-#: [128, 64] in registers), so that each query step's dq2 tile is reduced into the float32 buffer
-#: once for 256 keys instead of 128: half the reductions (the eighteenth session's OWN_DQ64, which
-#: doubled them, cost 33 %). Both consumer warpgroups at 240 registers (the producer's 24); sm_90a:
-#: 667 instructions a step of 256 keys (392 a step of 128), ptxas spills 164 B non-causal, 836 B
-#: causal (mostly the diagonal's loop). Written and simulated in the eighteenth session, not yet run
-#: on a GPU.
-KEYS256 = False
-
-
-def program_keys(problem: Problem, both: bool, switch: bool | None = None) -> int:
-    """Keys a program of this launch takes: 256 where `KEYS256` (or `switch`) applies, else 128."""
-    from streamkl.backends.triton.common import group_sizes
-
-    if not bool(KEYS256 if switch is None else switch) or both or listed(problem) or problem.is_varlen:
-        return BLOCK_N
-    if (problem.dim1, problem.dim2) != (64, 64) or group_sizes(problem)[1] != 1:
-        return BLOCK_N
-    if problem.seqlen_k % 256 or problem.seqlen_q % BLOCK_M or problem.seqlen_q == 0:
-        return BLOCK_N
-    return 256
-
-
 #: Every launch: both consumer warpgroups at 240 registers, the producer warp(group) at 24 (worker
 #: registers 240 / 24), instead of 240 / 32, which leaves the default partition (consumer 0) 232 of
-#: the 3 x 168 (KEYS256 launches always take 240 / 24). sm_90a: BOTH causal's spills 632 -> 548 B,
+#: the 3 x 168. sm_90a: BOTH causal's spills 632 -> 548 B,
 #: non-causal 80 -> 52 B; the student builds spill nothing either way. Not yet measured.
 EVEN_REGS = False
 
@@ -1088,11 +1065,11 @@ def dq_raw_on(both: bool, switch: bool | None = None) -> bool:
     return bool(DQ_RAW if switch is None else switch) and not both
 
 
-@functools.lru_cache(maxsize=8)
-def ds_shared_layout(dtype: torch.dtype, keys: int = BLOCK_N):
+@functools.lru_cache(maxsize=4)
+def ds_shared_layout(dtype: torch.dtype):
     """The shared layout of a step's dS tile, [64 rows, 128 keys] (cached, as every layout built
     on the host a call: `get_default_for` is a constexpr function, ~10 us a call on the H200's host)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, keys], gl_dtype(dtype))
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl_dtype(dtype))
 
 
 @functools.lru_cache(maxsize=4)
@@ -1180,15 +1157,15 @@ def launch_args(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk
     key-major view. `both`: BOTH's (dk1, expect, dq1 accumulator)."""
     grid, fixed, constexprs = launch_plan(problem, lse1, grad_rows, dq2, dk2, schedule, g_scale is None, head_lo,
                                           heads, both is not None)
-    args = call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale, both, constexprs["KEYS"])
+    args = call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale, both)
     return grid, (*args, *(lse1 if t is None else t for t in fixed)), constexprs
 
 
-def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None, keys: int = BLOCK_N) -> tuple:
+def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None) -> tuple:
     """The launch's leading arguments, those each call's tensors make: the inputs' descriptors
     (key tiles of `keys` rows), the statistics, g, the accumulators and gradients (and their
     descriptors), g's scale."""
-    descs = [flat_descriptor(t, box) for t, box in ((q1, BLOCK_M), (k1, keys), (q2, BLOCK_M), (k2, keys))]
+    descs = [flat_descriptor(t, box) for t, box in ((q1, BLOCK_M), (k1, BLOCK_N), (q2, BLOCK_M), (k2, BLOCK_N))]
     return (
         *descs, lse1, lse2, grad_rows, dq2, dk2, dq_descriptor(dq2, dq_cols(dq2.shape[-1])) if DQ_TMA else descs[0],
         *((both[0], both[1], dq_descriptor(both[2])) if both is not None else (dk2, lse1, descs[0])),  # BOTH
@@ -1215,8 +1192,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
 
     group1, group2 = group_sizes(problem)
     scale1, scale2 = log2_scales(problem)
-    span = program_keys(problem, both)  # keys a program
-    k_programs = -(-problem.seqlen_k // span)
+    k_programs = -(-problem.seqlen_k // BLOCK_N)
     heads = problem.heads if heads is None else heads
     varlen = problem.is_varlen
     cu_q, cu_k = (problem.cu_seqlens_q, problem.cu_seqlens_k) if varlen else (None, None)
@@ -1243,9 +1219,8 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
         scale1, scale2, scale2 * LN2, scale1 * LN2, k_programs,
     )  # fmt: skip
     use_tma = bool(DQ_TMA)
-    ds_layout = ds_shared_layout(problem.dtype, span)
-    constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2) if span == BLOCK_N else 3,
-                      CAUSAL=problem.causal, KEYS=span,
+    ds_layout = ds_shared_layout(problem.dtype)
+    constexprs = dict(D=problem.dim2, BLOCK_M=BLOCK_M, STAGES=stages(problem.dim2), CAUSAL=problem.causal,
                       DS_LAYOUT=ds_layout, LISTED=is_listed, NORM_G=not unscaled, VARLEN=varlen,
                       TAIL=not is_listed and tile_fit(problem) == "tail", GQA2=group2 > 1, VEC=dq_vec(problem),
                       DQ_TMA=use_tma, DQ_LAYOUT=dq_layout(dq_cols(problem.dim2)), BOTH=both,
@@ -1370,7 +1345,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, KEYS256, EVEN_REGS)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, EVEN_REGS)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1419,8 +1394,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     uniform = not any(g.stride())
     if not (uniform and ((both and G_AS_IS) or g_one_on(both, g, g_scale is None))):
         g = g.transpose(-1, -2).contiguous().transpose(-1, -2)
-    keys = program_keys(problem, both)
-    chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // keys), group_sizes(problem)[1])
+    chunks = atomic_head_chunks(problem, -(-problem.seqlen_k // BLOCK_N), group_sizes(problem)[1])
     per_chunk = problem.heads // chunks
     shape = (*q2.shape[:-2], per_chunk, q2.shape[-1])
     # the float32 accumulators (BOTH: dq2's and dq1's in one allocation, one zero fill); after each
@@ -1440,8 +1414,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
     outs = (dq2, dq1) if both else (dq2,)
     plans = _plans(problem, lse1, g, accum2, dk2, schedule, g_scale, both, chunks)
     # every chunk: the same tensors (the accumulators flushed and zeroed between them)
-    args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None,
-                     keys)
+    args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None)
     for chunk, plan in enumerate(plans):
         lo = chunk * per_chunk
         _launch(plan, args, lse1)
@@ -1463,7 +1436,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
-                       dq_raw: bool | None = None, keys: int = BLOCK_N, even_regs: bool | None = None):
+                       dq_raw: bool | None = None, even_regs: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
@@ -1475,8 +1448,8 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
     cols = 32 if dim == 64 and dq_split and tma_dq else 64
-    t = torch.empty(2, max(BLOCK_N, keys), 4, dim, dtype=dtype)
-    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, keys, BLOCK_M, keys)]
+    t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
+    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
     stats = torch.empty(4, dtype=torch.float32)
     cu = torch.zeros(3, dtype=torch.int32)
     names = ("stride_sb", "stride_sh", "stride_sn", "stride_gb", "stride_gn", "stride_gh", "stride_dqb",
@@ -1493,8 +1466,8 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     examples.update(stride_sn=1, stride_gn=1)  # as launched (Triton specializes 1s)
     examples.update(**dict.fromkeys(("seqlen_q", "seqlen_k", "heads", "head_lo", "group1", "group2"), 1024))
     examples.update(scale1=0.5, scale2=0.5, out_scale2=0.5, out_scale1=0.5, k_programs=1024)
-    constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim) if keys == BLOCK_N else 3, CAUSAL=causal,
-                      KEYS=keys, DS_LAYOUT=ds_shared_layout(dtype, keys), LISTED=listed,
+    constexprs = dict(D=dim, BLOCK_M=BLOCK_M, STAGES=stages(dim), CAUSAL=causal,
+                      DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
                       NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, VEC=2 if vec2 else 1,
                       DQ_TMA=tma_dq, DQ_LAYOUT=dq_layout(cols), KEY_MAJOR=bool(KEY_MAJOR_GRID), BOTH=both,
                       DQ_COLS=cols, AHEAD=ahead,
