@@ -46,7 +46,9 @@ def _record(name, start, end):
 
 
 def _wrap(owner, attr, name=None, static=False):
-    fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    # (a class's own attribute, so that a staticmethod stays one; Tensor methods such as `to` live on
+    # the C base class since torch 2.11: those by getattr)
+    fn = owner.__dict__[attr] if isinstance(owner, type) and attr in owner.__dict__ else getattr(owner, attr)
     inner = fn.__func__ if isinstance(fn, staticmethod) else fn
     label = name or f"{getattr(owner, '__name__', type(owner).__name__)}.{attr}"
 

@@ -989,13 +989,12 @@ def test_gluon_both_sides_backward_of_packed_sequences(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("switch", ["STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS_BOTH", "EVEN_REGS"])
+@pytest.mark.parametrize("switch", ["STATS_AHEAD_BOTH", "DIAG_LAST", "LISTED_LOOPS_BOTH"])
 def test_gluon_both_sides_backward_switches(monkeypatch, switch):
     """BOTH with each step's statistics loaded a step ahead (`STATS_AHEAD_BOTH`), with causal
     programs' diagonal steps last (`DIAG_LAST`; packed causal sequences too), with a block mask's
     full and partial pairs in two loops (`LISTED_LOOPS_BOTH`; all three fifteenth session, run on
-    the H200 there), with both consumer warpgroups at 240 registers (`EVEN_REGS`, eighteenth session,
-    not yet run on a GPU): dense causal and not, a block mask on both sides, two head chunks, against the
+    the H200 there): dense causal and not, a block mask on both sides, two head chunks, against the
     float64 reference."""
     from streamkl import BlockMask
     from streamkl.backends.triton import backward
@@ -1330,8 +1329,6 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         " True, True)),\n"
         "    'backward D64 (EARLY_P, DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, False)),\n"
         "    'backward D64 causal (DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, True)),\n"
-        "    'backward both sides causal (EVEN_REGS)': (False, lambda: b.compile_for_hopper(bf16, 128, True,"
-        " both=True, even_regs=True)),\n"
         "    'backward both sides reduced loss (G_ONE_BOTH)': (False, lambda: b.compile_for_hopper(bf16, 128, True,"
         " both=True, g_one=True)),\n"
         "    'backward D64 reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 64, False,"
@@ -1384,10 +1381,9 @@ def _spy_launch_constexprs(monkeypatch, *names) -> list:
 
 @gpu
 @pytest.mark.parametrize("tma", [False, True, "split64", "not-ahead", "listed-one-loop", "early-p", "dk-defer",
-                                 "dq-scaled", "even-regs"],
+                                 "dq-scaled"],
                          ids=["atomics", "tma", "tma-split64", "tma-not-ahead", "tma-listed-one-loop",
-                              "tma-early-p", "tma-dk-defer", "tma-dq-scaled",
-                              "tma-even-regs"])
+                              "tma-early-p", "tma-dk-defer", "tma-dq-scaled"])
 def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     """The Gluon student backward where it applies (16-bit, dense, causal or not, GQA on side 1,
     Nk >= Nq, D 64 / 128; block masks and windows) against the float64 reference, after either
@@ -1418,8 +1414,6 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     # dq2 added unscaled, the flush scaling it (DQ_RAW, eighteenth session: on; with these per-row g,
     # in the float16 cases times g's rescaling factor), or scaled in the kernel as before
     monkeypatch.setattr(gluon_backward, "DQ_RAW", tma != "dq-scaled")
-    # both consumer warpgroups at 240 registers, the producer 24 (EVEN_REGS, eighteenth session: off)
-    monkeypatch.setattr(gluon_backward, "EVEN_REGS", tma == "even-regs")
     calls = []
     original = gluon_backward.kl_backward
     monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a: calls.append(1) or original(*a))
@@ -1575,10 +1569,11 @@ def test_gluon_student_backward_reduced_loss(monkeypatch, raw):
 
 @gpu
 def test_gluon_both_sides_backward_reduced_loss(monkeypatch):
-    """`G_ONE_BOTH` (eighteenth session: off): the BOTH kernel with a reduced loss's one g taken out
-    of dS1 and dS2 and into the four output scales: a negative multiple of the summed KL, all four
-    gradients against the float64 reference; dense causal, block masks on side 1 only (rows without
-    side-1 keys), a window, packed sequences of whole tiles."""
+    """`G_ONE_BOTH` (written in the eighteenth session; passed on the H200 and on since the
+    nineteenth): the BOTH kernel with a reduced loss's one g taken out of dS1 and dS2 and into the
+    four output scales: a negative multiple of the summed KL, all four gradients against the float64
+    reference; dense causal, block masks on side 1 only (rows without side-1 keys), a window, packed
+    sequences of whole tiles."""
     from streamkl.backends.triton import gluon_backward
 
     gluon_forward = _gluon()

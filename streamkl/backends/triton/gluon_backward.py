@@ -88,6 +88,9 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   each consumer warpgroup owning 128 (KEYS256: half the dq2 reductions a key, 667 instructions a
   step of 256 keys against 2 x 392, ptxas spilling 164 / 836 B): 5.31 -> 5.34 ms, causal 2.80 ->
   2.96. Halving the reductions bought nothing, so they are not what bounds the kernel either.
+  Both consumer warpgroups at 240 registers (worker registers 240 / 24 instead of 240 / 32; BOTH's
+  spills 632 -> 548 B causal): within noise, removed. G_ONE in the BOTH kernel (G_ONE_BOTH): all
+  four gradients causal 7.93 -> 7.80 and 8.03 -> 7.88 ms in two runs, non-causal within noise; on.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -803,7 +806,6 @@ if GLUON_IMPORT_ERROR is None:
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
         G_ONE: gl.constexpr = False,  # student: one g for every row (a reduced loss), in the output scales (`G_ONE`)
         DQ_RAW: gl.constexpr = False,  # student: dq2 added unscaled, the host's flush scales it (`DQ_RAW`)
-        EVEN_REGS: gl.constexpr = False,  # both consumer warpgroups 240 registers, the producer 24 (`EVEN_REGS`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -938,9 +940,8 @@ if GLUON_IMPORT_ERROR is None:
                                      n_per, D, GQA2, rot, ROT)),
             ],
             [4, 1],
-            [240, 24 if EVEN_REGS else 32],  # (the default partition gets the rest of 3 x 168:
-            # 232 with 240 / 32, as launched since the fifth session; 240 with 240 / 24 (EVEN_REGS);
-            # with 232 / 40 BOTH spilled 40 % more)
+            [240, 32],  # (the default partition gets the rest of 3 x 168: 232; with 232 / 40 BOTH spilled
+            # 40 % more; 240 / 24, both consumers at 240, measured within noise: nineteenth session)
         )
 
 
@@ -1040,9 +1041,10 @@ DQ_RAW = True
 
 
 #: G_ONE in the BOTH kernel too (dS1 = p (ln(p / q) - KL), g in dk1's and dq1's scales as in dk2's
-#: and dq2's: two float32 multiplies a score fewer). Written and simulated in the eighteenth
-#: session, not yet run on a GPU.
-G_ONE_BOTH = False
+#: and dq2's: two float32 multiplies a score fewer; sm_90a loop 823 -> 756 instructions causal).
+#: Nineteenth session, all four gradients (two A/B runs, 5 and 9 rounds): causal 7.93 -> 7.80 and
+#: 8.03 -> 7.88 ms, non-causal 15.12 / 15.28 and 15.37 / 15.33 (spreads 0.5-1.3 ms). On.
+G_ONE_BOTH = True
 
 
 def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool | None = None) -> bool:
@@ -1051,13 +1053,6 @@ def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool |
     rescaled (bfloat16)."""
     on = bool(G_ONE if switch is None else switch) and (not both or bool(G_ONE_BOTH))
     return on and unscaled and not any(grad_rows.stride())
-
-
-#: Every launch: both consumer warpgroups at 240 registers, the producer warp(group) at 24 (worker
-#: registers 240 / 24), instead of 240 / 32, which leaves the default partition (consumer 0) 232 of
-#: the 3 x 168. sm_90a: BOTH causal's spills 632 -> 548 B,
-#: non-causal 80 -> 52 B; the student builds spill nothing either way. Not yet measured.
-EVEN_REGS = False
 
 
 def dq_raw_on(both: bool, switch: bool | None = None) -> bool:
@@ -1233,7 +1228,6 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
     constexprs["G_ONE"] = g_one_on(both, grad_rows, unscaled)
     constexprs["DQ_RAW"] = dq_raw_on(both)
-    constexprs["EVEN_REGS"] = bool(EVEN_REGS)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1345,7 +1339,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, EVEN_REGS)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1436,7 +1430,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
-                       dq_raw: bool | None = None, even_regs: bool | None = None):
+                       dq_raw: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
@@ -1481,5 +1475,4 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     constexprs["G_ONE"] = g_one and dtype != torch.float16
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
-    constexprs["EVEN_REGS"] = bool(EVEN_REGS if even_regs is None else even_regs)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
