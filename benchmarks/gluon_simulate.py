@@ -21,7 +21,6 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
     ... --backward --dq-raw  # dq2 added unscaled, the flush scales it (DQ_RAW)
-    ... --backward --poly  # half of q's exponentials on the FMA units (POLY; it takes the D=64 cases)
     ... --backward --g-one [--dq-raw]  # one g for every row, in the output scales (G_ONE)
     ... --backward --both --g-one  # the same in the BOTH kernel (G_ONE_BOTH)
 
@@ -35,8 +34,7 @@ adjustments below are made at run time, in this process only (`_adjust_simulator
   arrival), and a partition blocked in a wait passes its turn to the others (its round-robin
   scheduler deadlocked otherwise); numpy >= 2.3 scalar indexing (`streamkl` patches Triton's
   interpreter the same way); `gl.static_range` over plain ints; broadcasts of results whose layout
-  the simulator dropped; reshape / split / join computed without layouts (the simulator kept the
-  input's, of another rank), `convert_layout` giving them one;
+  the simulator dropped;
 - no tracing (a client without callbacks); float16 inputs (its tracer cannot read bfloat16).
 - TMA descriptors built by their dataclass, on a 2-D view (the simulator reads the base tensor's
   shape; `common.fast_descriptor`, which the GPU launches use, keeps the unflattened tensor);
@@ -92,21 +90,6 @@ def _adjust_simulator():
         return broadcast(self, lhs, rhs)
 
     gluon_semantic.GluonSemantic.broadcast_impl_value = broadcast_without_layouts
-    # reshape / split / join (POLY's column split): the simulator's results keep the input's layout,
-    # of the wrong rank; computed without layouts here, convert_layout giving the target's back
-    for name in ("reshape", "split", "join"):
-        setattr(gluon_semantic.GluonSemantic, name, getattr(TritonSemantic, name))
-    convert_layout = gluon_semantic.GluonSemantic.convert_layout
-
-    def convert_layout_to(self, value, layout, assert_trivial=False):
-        if not hasattr(value.type, "layout"):
-            import triton.experimental.gluon.language._core as gluon_core
-
-            ty = gluon_core.distributed_type(value.type.element_ty, value.type.shape, layout)
-            return gluon_core.tensor(value.handle, ty)
-        return convert_layout(self, value, layout, assert_trivial)
-
-    gluon_semantic.GluonSemantic.convert_layout = convert_layout_to
 
     import triton_viz
     import triton_viz.core.simulation.gluon as simulation
@@ -514,10 +497,6 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DK_DEFER_EVERYWHERE = True
-    if "--poly" in sys.argv:  # half of q's exponentials by the FMA units' polynomial (POLY; D=64 cases)
-        from streamkl.backends.triton import gluon_backward
-
-        gluon_backward.POLY = True
     if "--dq-raw" in sys.argv:  # dq2 added unscaled, the flush scales it (DQ_RAW)
         from streamkl.backends.triton import gluon_backward
 

@@ -1333,8 +1333,6 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         " both=True, g_one=True)),\n"
         "    'backward D64 reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 64, False,"
         " g_one=True, dq_raw=True)),\n"
-        "    'backward D64 causal, q half on the FMA units (POLY)': (True, lambda: b.compile_for_hopper(bf16, 64,"
-        " True, g_one=True, dq_raw=True, poly=True)),\n"
         "    'backward reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 128, True,"
         " g_one=True, dq_raw=True)),\n"
         "}\n"
@@ -1503,64 +1501,6 @@ def test_gluon_student_backward_matches_reference(monkeypatch, tma):
     assert len(calls) == 1
     for a, b in zip(got, want):
         assert rel_l2(a.float(), b.float()) < 1e-2
-
-
-@gpu
-def test_gluon_student_backward_poly(monkeypatch):
-    """`POLY` (nineteenth session): the D=64 student kernel with half of q's exponentials (odd
-    columns) by `_exp2_fma`'s polynomial on the FMA units, against the float64 reference: dense,
-    causal with more keys than queries, partial tiles, packed sequences with empty ones, side-2
-    GQA, head chunks; reduced (G_ONE) and per-row upstream gradients; bfloat16 and float16. Block
-    masks / windows and D=128 launches do not take it (checked by the launch plans' constexprs)."""
-    from streamkl import BlockMask
-    from streamkl.backends.triton import backward, gluon_backward
-
-    gluon_forward = _gluon()
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
-    monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
-    monkeypatch.setattr(gluon_backward, "POLY", True)
-    seen = _spy_launch_constexprs(monkeypatch, "POLY")
-    bf16, fp16 = torch.bfloat16, torch.float16
-    student = (False, False, True, True)
-
-    def reduced(x, reduction, **kwargs):  # one g for every row (G_ONE with bfloat16)
-        loss = -0.37 * streamkl.kl(*x, backend="triton", reduction=reduction, **kwargs)
-        got = torch.autograd.grad(loss, x[2:])
-        leaves = [t.detach().double().requires_grad_(i >= 2) for i, t in enumerate(x)]
-        ref = reference_kl(*leaves, **kwargs)[0]
-        want = torch.autograd.grad(-0.37 * (ref.sum() if reduction == "sum" else ref.mean()), leaves[2:])
-        for name, a, b in zip(("dq2", "dk2"), got, want):
-            assert torch.isfinite(a).all(), name
-            assert rel_l2(a, b) <= 2e-2, (name, rel_l2(a, b), kwargs)
-
-    for (n_q, n_k), heads_k, causal, dtype, reduction in (
-        ((256, 384), (2, 4), False, bf16, "mean"), ((192, 320), (1, 4), True, bf16, "sum"),
-        ((200, 300), (2, 2), True, fp16, "sum"), ((256, 256), (4, 2), False, bf16, "mean"),
-    ):
-        seen.clear()
-        x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (64, 64), dtype, DEVICE, student)
-        check_against_reference(x, "triton", causal=causal)  # per-row g
-        reduced(x, reduction, causal=causal)
-        assert seen and all(seen), (n_q, n_k, causal)
-    lens = [(128, 256), (0, 0), (64, 128), (0, 128), (100, 230)]
-    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", 2)
-    seen.clear()
-    x = make_inputs((int(cu_q[-1]) + 7,), (int(cu_k[-1]) + 9,), 4, (2, 4), (64, 64), bf16, DEVICE, student)
-    check_against_reference(x, "triton", causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
-    reduced(x, "sum", causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
-    assert seen and all(seen)
-    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", None)
-    # not taken: block masks, D=128
-    seen.clear()
-    pattern = torch.rand(2, 4, 2, 3, device=DEVICE) < 0.6
-    x = make_inputs((2, 256), (2, 384), 4, (2, 4), (64, 64), bf16, DEVICE, student)
-    check_against_reference(x, "triton", mask1=BlockMask.from_dense(pattern, 128))
-    x = make_inputs((2, 256), (2, 384), 4, (2, 4), (128, 128), bf16, DEVICE, student)
-    check_against_reference(x, "triton")
-    assert seen and not any(seen), seen
 
 
 @gpu

@@ -91,6 +91,10 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   Both consumer warpgroups at 240 registers (worker registers 240 / 24 instead of 240 / 32; BOTH's
   spills 632 -> 548 B causal): within noise, removed. G_ONE in the BOTH kernel (G_ONE_BOTH): all
   four gradients causal 7.93 -> 7.80 and 8.03 -> 7.88 ms in two runs, non-causal within noise; on.
+  Half of q's exponentials (odd columns) by a degree-5 polynomial on the FMA units (POLY,
+  FlashAttention-4's offload of the exp unit; commit ef99e2a has it; loop 392 -> 534
+  instructions, MUFU.EX2 64 -> 48): 5.38 -> 5.78 ms, causal 2.81 -> 2.98. The exp unit's issue
+  interval is not what the D=64 step waits on, as the forward's polynomial found in the fourth.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -371,37 +375,9 @@ if GLUON_IMPORT_ERROR is None:
         return tile_row0, fresh_row0, h_in
 
     @gluon.jit
-    def _exp2_fma(x):
-        """2^x on the FMA and integer units (FlashAttention-4's offload of the exp unit): x = j + f with
-        j the nearest integer (x + 1.5 * 2^23 rounds it into the low mantissa bits), 2^f by a
-        degree-5 polynomial on [-1/2, 1/2] (relative error 2.2e-7 evaluated in float32, as
-        MUFU.EX2's), 2^j added into its exponent bits. x is clamped at -125 (2^-125 = 2.4e-38 for
-        anything smaller, -inf included: `poly_on` takes it only where no row's statistics are
-        infinite and masked scores are zeroed after)."""
-        x = gl.maximum(x, -125.0)
-        t = x + 12582912.0
-        f = x - (t - 12582912.0)
-        r = f * 0.0013276265235617757 + 0.009675477631390095
-        r = r * f + 0.05550713464617729
-        r = r * f + 0.24022120237350464
-        r = r * f + 0.6931469440460205
-        r = r * f + 1.0000001192092896
-        bits = r.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
-        return bits.to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _exp2_split(x, ROWS: gl.constexpr, COLS: gl.constexpr):
-        """2^x of a [ROWS, COLS] score tile, its even columns on the exp unit, its odd ones by
-        `_exp2_fma` (each thread holds column pairs, so the split and the join move no data)."""
-        even, odd = gl.split(gl.reshape(x, [ROWS, COLS // 2, 2]))
-        y = gl.reshape(gl.join(gl.exp2(even), _exp2_fma(odd)), [ROWS, COLS])
-        return gl.convert_layout(y, x.type.layout)
-
-    @gluon.jit
-    def _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH: gl.constexpr, p_in=None, POLY: gl.constexpr = False):
+    def _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH: gl.constexpr, p_in=None):
         """(p, q, t) of a step's unmasked scores: with BOTH, t = log2(p / q) first, so that p, q and t
-        are all that stay live (registers); else t is p (unused). POLY: half of q's exponentials on
-        the FMA units (`_exp2_split`)."""
+        are all that stay live (registers); else t is p (unused)."""
         if BOTH:
             u2 = st2 * scale2 - lse2[:, None]
             t = st1 * scale1 - lse1[:, None] - u2
@@ -412,10 +388,7 @@ if GLUON_IMPORT_ERROR is None:
                 p = gl.exp2(st1 * scale1 - lse1[:, None])
             else:  # (EARLY_P: computed while side 2's product ran)
                 p = p_in
-            if POLY:
-                q = _exp2_split(st2 * scale2 - lse2[:, None], 64, 64)
-            else:
-                q = gl.exp2(st2 * scale2 - lse2[:, None])
+            q = gl.exp2(st2 * scale2 - lse2[:, None])
             t = p
         return p, q, t
 
@@ -524,7 +497,7 @@ if GLUON_IMPORT_ERROR is None:
                       VEC: gl.constexpr, DQ_TMA: gl.constexpr, BOTH: gl.constexpr,
                       DIAG: gl.constexpr, DQ_COLS: gl.constexpr, AHEAD: gl.constexpr, ROT: gl.constexpr,
                       LSPLIT: gl.constexpr, EARLY_P: gl.constexpr, DK_DEFER: gl.constexpr, G_ONE: gl.constexpr,
-                      DQ_RAW: gl.constexpr, POLY: gl.constexpr):
+                      DQ_RAW: gl.constexpr):
         """One warpgroup, 64 keys (k0 + 64 * WG ...): dk2 of its keys; per query tile, its half of the
         tile's dS2 into shared memory (two buffers, alternating), then, once both warpgroups' halves
         are there (`ds_bar`), the tile's dq2 = dS2 k2 over all 128 keys, added by a TMA reduction:
@@ -686,7 +659,7 @@ if GLUON_IMPORT_ERROR is None:
                                                 flags_list + visit, len_q, len_k, window_left, window_right, BOTH,
                                                 G_ONE)
                 else:
-                    p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH, p_early, POLY)
+                    p, q, t = _step_probs(st1, st2, scale1, scale2, lse1, lse2, BOTH, p_early)
                     if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
                         allowed = (o_j >= k_fresh)[None, :] & (o_i >= fresh_row0)[:, None]
                         if CAUSAL:
@@ -785,7 +758,7 @@ if GLUON_IMPORT_ERROR is None:
                         LISTED: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr, VEC: gl.constexpr,
                         DQ_TMA: gl.constexpr, BOTH: gl.constexpr, DIAG: gl.constexpr, DQ_COLS: gl.constexpr,
                         AHEAD: gl.constexpr, ROT: gl.constexpr, LSPLIT: gl.constexpr, EARLY_P: gl.constexpr,
-                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr, POLY: gl.constexpr):
+                        DK_DEFER: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr):
         _bwd_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                       stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -793,7 +766,7 @@ if GLUON_IMPORT_ERROR is None:
                       n_full_listed, index, flags_list, len_q, len_k, window_left, window_right, k_fresh,
                       n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem, q_row, dq_col, both,
                       1, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH, DIAG, DQ_COLS, AHEAD,
-                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, POLY)
+                      ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)
 
     @gluon.jit
     def _kl_bwd_gluon_kernel(
@@ -837,7 +810,6 @@ if GLUON_IMPORT_ERROR is None:
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
         G_ONE: gl.constexpr = False,  # student: one g for every row (a reduced loss), in the output scales (`G_ONE`)
         DQ_RAW: gl.constexpr = False,  # student: dq2 added unscaled, the host's flush scales it (`DQ_RAW`)
-        POLY: gl.constexpr = False,  # student, dense steps: half of q's exponentials on the FMA units (`POLY`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -956,7 +928,7 @@ if GLUON_IMPORT_ERROR is None:
                                  n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                  k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
                                  both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, POLY)),
+                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
                                    LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
                                    stride_sn, stride_gn, stride_dqn, stride_dkn,
@@ -964,7 +936,7 @@ if GLUON_IMPORT_ERROR is None:
                                    n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
                                    k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
                                    both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW, POLY)),
+                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
                                      head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
@@ -1047,20 +1019,6 @@ def early_p_on(constexprs: dict, switch: bool | None = None) -> bool:
 #: (`dk_defer_on`); `DK_DEFER_EVERYWHERE` (tests) takes it to every student launch.
 DK_DEFER = True
 DK_DEFER_EVERYWHERE = False
-
-
-#: The student kernel at D=64 (dense steps, not BOTH, not listed): half of q's exponentials (its
-#: odd columns) on the FMA units by a degree-5 polynomial (`_exp2_fma`, FlashAttention-4's
-#: offload), so that the exp unit, two exponentials a score, is no longer what every warp's
-#: exponential phase waits on (NCU: 24 % of the D=64 loop's stall samples on MUFU.EX2, mostly its
-#: issue interval). Nineteenth session: written, off.
-POLY = False
-
-
-def poly_on(constexprs: dict, switch: bool | None = None) -> bool:
-    """Whether a launch computes half of q's exponentials by `_exp2_fma` (`POLY`, or `switch`)."""
-    on = bool(POLY if switch is None else switch) and not constexprs["BOTH"] and not constexprs["LISTED"]
-    return on and constexprs["D"] == 64
 
 
 def dk_defer_on(constexprs: dict, switch: bool | None = None) -> bool:
@@ -1274,7 +1232,6 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
     constexprs["G_ONE"] = g_one_on(both, grad_rows, unscaled)
     constexprs["DQ_RAW"] = dq_raw_on(both)
-    constexprs["POLY"] = poly_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1386,7 +1343,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, POLY)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1477,7 +1434,7 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
-                       dq_raw: bool | None = None, poly: bool | None = None):
+                       dq_raw: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
@@ -1522,5 +1479,4 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     constexprs["G_ONE"] = g_one and dtype != torch.float16
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
-    constexprs["POLY"] = poly_on(constexprs, poly)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
