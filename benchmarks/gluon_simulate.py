@@ -21,7 +21,6 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --early-p  # side 1's exponentials while side 2's product runs, every launch (EARLY_P)
     ... --backward --dk-defer  # each step's dk product waited for in the next step, every launch (DK_DEFER)
     ... --backward --dq-raw  # dq2 added unscaled, the flush scales it (DQ_RAW)
-    ... --backward --stats-late=2  # the next step's statistics loaded after the dk product (3: at the step's end)
     ... --backward --g-one [--dq-raw]  # one g for every row, in the output scales (G_ONE)
     ... --backward --both --g-one  # the same in the BOTH kernel (G_ONE_BOTH)
 
@@ -498,11 +497,6 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.DK_DEFER_EVERYWHERE = True
-    for arg in sys.argv:  # --stats-late=2 / 3: where a step loads the next one's statistics (STATS_LATE)
-        if arg.startswith("--stats-late="):
-            from streamkl.backends.triton import gluon_backward
-
-            gluon_backward.STATS_LATE = int(arg.split("=")[1])
     if "--dq-raw" in sys.argv:  # dq2 added unscaled, the flush scales it (DQ_RAW)
         from streamkl.backends.triton import gluon_backward
 

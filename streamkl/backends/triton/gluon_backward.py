@@ -95,6 +95,10 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   FlashAttention-4's offload of the exp unit; commit ef99e2a has it; loop 392 -> 534
   instructions, MUFU.EX2 64 -> 48): 5.38 -> 5.78 ms, causal 2.81 -> 2.98. The exp unit's issue
   interval is not what the D=64 step waits on, as the forward's polynomial found in the fourth.
+  The next step's statistics loaded after the step's dS fence (ptxas makes fence_async_shared a
+  MEMBAR.ALL.CTA, which waits for global loads in flight) or at the step's end (STATS_LATE, commit
+  2d322d1 has it): D=64 5.35 / 5.34 and 5.52 ms, causal 2.84 / 2.85 and 2.93; D=128 9.38 / 9.46
+  and 10.25, causal 4.90 / 4.78 and 5.08: the fence's wait moves elsewhere; reverted.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -594,13 +598,12 @@ if GLUON_IMPORT_ERROR is None:
                     g = a_g
                     if BOTH:
                         e_row = a_e
-                    if AHEAD == 1:  # (STATS_LATE: 2, after the step's dk product is issued; 3, at its end)
-                        a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
-                            i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat,
-                            o_grad, stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH,
-                            row_layout, G_ONE)
-                        if BOTH:
-                            a_e = e_next
+                    a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
+                        i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
+                        stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout,
+                        G_ONE)
+                    if BOTH:
+                        a_e = e_next
                 else:
                     tile_row0, fresh_row0, h_in = _step_rows(r, index, first_tile, n_per, len_q, BLOCK_M,
                                                              LISTED, TAIL, GQA2)
@@ -702,11 +705,6 @@ if GLUON_IMPORT_ERROR is None:
                 else:
                     dk = hopper.warpgroup_mma_wait(0, deps=[dk])
                     mbarrier.arrive(empty.index(slot), count=1)  # this slot's query tiles are read
-                if AHEAD == 2:  # the next step's statistics, after this step's shared-memory fence (STATS_LATE)
-                    a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
-                        i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
-                        stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout,
-                        G_ONE)
                 o_step = o_dq
                 if GQA2:
                     o_step = o_dq + h_in * stride_dqh
@@ -736,11 +734,6 @@ if GLUON_IMPORT_ERROR is None:
                                    dq_col + h_in * D)
                     else:
                         _add_dq(p_rows + o_dq_col[None, :], _dq_out(dq, out_scale2, DQ_RAW), VEC)
-                if AHEAD == 3:  # the next step's statistics at the step's end, after its fences (STATS_LATE)
-                    a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
-                        i + 1, n_tiles, index, first_tile, n_per, len_q, LSE1, LSE2, GRAD, EXPECT, o_stat, o_grad,
-                        stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, LISTED, TAIL, GQA2, BOTH, row_layout,
-                        G_ONE)
         if DEFER:  # the last step's dk product
             dk = hopper.warpgroup_mma_wait(0, deps=[dk])
             if held >= 0:
@@ -1135,20 +1128,9 @@ STATS_AHEAD = True
 STATS_AHEAD_BOTH = False
 
 
-#: Where the student kernel's STATS_AHEAD loads sit in a step: 1 (0: the same) right after the
-#: score products are issued, as since the fifteenth session; 2 after the dk product's issue; 3 at
-#: the step's end. Why: ptxas makes each `fence_async_shared` (after the dS store, and before each
-#: dq2 TMA reduction) a MEMBAR.ALL.CTA, which waits for the global loads in flight: the NCU source
-#: counters put ~5 % of the D=64 loop's stall samples (long scoreboard) on those two fences.
-#: Nineteenth session: written, not yet measured.
-STATS_LATE = 0
-
-
-def stats_ahead(both: bool) -> int:
-    """Whether (0: no; 1-3: where, `STATS_LATE`) a launch loads its statistics a step ahead (`STATS_AHEAD`)."""
-    if both:
-        return int(bool(STATS_AHEAD_BOTH))
-    return max(int(STATS_LATE), 1) if STATS_AHEAD else 0
+def stats_ahead(both: bool) -> bool:
+    """Whether a launch loads its statistics a step ahead (`STATS_AHEAD`)."""
+    return bool(STATS_AHEAD_BOTH) if both else bool(STATS_AHEAD)
 
 
 def diag_last(constexprs: dict, switch: bool | None = None) -> bool:
@@ -1363,7 +1345,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     module switches `launch_plan` reads. A plan: [grid, the arguments after `call_args`,
     constexprs, the compiled kernel once launched]."""
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
-           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD, STATS_LATE,
+           HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
            DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW)
     kept = problem.extra.get("gluon_backward_plans")
@@ -1454,7 +1436,7 @@ def _backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule,
 def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
                        varlen: bool = False, tail: bool = False, gqa2: bool = False, vec2: bool = False,
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
-                       ahead: int | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
+                       ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
                        dq_raw: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
