@@ -381,6 +381,25 @@ if GLUON_IMPORT_ERROR is None:
         return m1_new, m2_new, l1, l2, acc, row_flags
 
     @gluon.jit
+    def _plain_tile(t1, t2, empty_bar, i, n_full, n_full_listed, index, flags_list, o_i, offset, len_q, len_k,
+                     window_left, window_right, scale1, scale2, m1, m2, l1, l2, acc, row_flags,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TAIL: gl.constexpr, LISTED: gl.constexpr,
+                     col_layout: gl.constexpr):
+        """A key tile the plain way: wait for both products, release the slot, then the statistics
+        (`_listed_tile_stats` for a schedule's list, else `_tile_stats`); row_flags as it comes
+        without a list."""
+        r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
+        mbarrier.arrive(empty_bar, count=1)  # both products are in registers
+        if LISTED:
+            m1, m2, l1, l2, acc, row_flags = _listed_tile_stats(
+                r1, r2, i, n_full_listed, index, flags_list, o_i, len_q, len_k, window_left, window_right,
+                scale1, scale2, m1, m2, l1, l2, acc, row_flags, BLOCK_N, col_layout)
+        else:
+            m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2, m1, m2, l1,
+                                              l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
+        return m1, m2, l1, l2, acc, row_flags
+
+    @gluon.jit
     def _consumer(q1_smem, q2_smem, k1_smem, k2_smem, q_bar, ready, empty, sink,
                   KL, LSE1, LSE2, EXPECT, o_kl, o_stat, stride_kln, stride_sn,
                   row0, len_q, len_k, n_tiles, scale1, scale2,
@@ -443,35 +462,24 @@ if GLUON_IMPORT_ERROR is None:
                 if EARLY1 and not (CAUSAL or TAIL or LISTED):  # every tile full: side 1's terms under side 2's
                     m1, m2, l1, l2, acc = _early_tile(t1, t2, sink, empty.index(slot), scale1, scale2, m1, m2, l1,
                                                       l2, acc)
-                elif EARLY1 and LISTED:  # the list's full tiles (its first n_full_listed) so, the others masked
-                    if i < n_full_listed:
-                        m1, m2, l1, l2, acc = _early_tile(t1, t2, sink, empty.index(slot), scale1, scale2, m1, m2,
-                                                          l1, l2, acc)
-                    else:
-                        r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-                        mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
-                        m1, m2, l1, l2, acc, row_flags = _listed_tile_stats(
-                            r1, r2, i, n_full_listed, index, flags_list, o_i, len_q, len_k, window_left,
-                            window_right, scale1, scale2, m1, m2, l1, l2, acc, row_flags, BLOCK_N, col_layout)
-                elif EARLY1:  # the same on the full tiles, the masked ones as before
-                    if i < n_full:
-                        m1, m2, l1, l2, acc = _early_tile(t1, t2, sink, empty.index(slot), scale1, scale2, m1, m2,
-                                                          l1, l2, acc)
-                    else:
-                        r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-                        mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
-                        m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2,
-                                                          m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
-                else:
-                    r1, r2 = hopper.warpgroup_mma_wait(0, deps=[t1, t2])
-                    mbarrier.arrive(empty.index(slot), count=1)  # both products are in registers
+                elif EARLY1:  # the same on the full tiles (a list's first n_full_listed), the others masked
                     if LISTED:
-                        m1, m2, l1, l2, acc, row_flags = _listed_tile_stats(
-                            r1, r2, i, n_full_listed, index, flags_list, o_i, len_q, len_k, window_left,
-                            window_right, scale1, scale2, m1, m2, l1, l2, acc, row_flags, BLOCK_N, col_layout)
+                        n_early = n_full_listed
                     else:
-                        m1, m2, l1, l2, acc = _tile_stats(r1, r2, i, n_full, o_i, offset, len_k, scale1, scale2,
-                                                          m1, m2, l1, l2, acc, BLOCK_N, CAUSAL, TAIL, col_layout)
+                        n_early = n_full
+                    if i < n_early:
+                        m1, m2, l1, l2, acc = _early_tile(t1, t2, sink, empty.index(slot), scale1, scale2, m1, m2,
+                                                          l1, l2, acc)
+                    else:
+                        m1, m2, l1, l2, acc, row_flags = _plain_tile(
+                            t1, t2, empty.index(slot), i, n_full, n_full_listed, index, flags_list, o_i, offset,
+                            len_q, len_k, window_left, window_right, scale1, scale2, m1, m2, l1, l2, acc, row_flags,
+                            BLOCK_N, CAUSAL, TAIL, LISTED, col_layout)
+                else:
+                    m1, m2, l1, l2, acc, row_flags = _plain_tile(
+                        t1, t2, empty.index(slot), i, n_full, n_full_listed, index, flags_list, o_i, offset, len_q,
+                        len_k, window_left, window_right, scale1, scale2, m1, m2, l1, l2, acc, row_flags, BLOCK_N,
+                        CAUSAL, TAIL, LISTED, col_layout)
         # finalize (SPEC 4) as the Triton kernel does, natural logs. Both sides share one structure
         # (no masks here), so no row is uncovered; a row is empty when it sees no key (len_k == 0,
         # or causal with i + offset < 0): KL 0, lse -inf, E 0, whatever its values
