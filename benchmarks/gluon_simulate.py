@@ -23,6 +23,7 @@ Setup, once (a virtual environment that sees this one's torch and triton 3.6):
     ... --backward --dq-raw  # dq2 added unscaled, the flush scales it (DQ_RAW)
     ... --backward --g-one [--dq-raw]  # one g for every row, in the output scales (G_ONE)
     ... --backward --both --g-one  # the same in the BOTH kernel (G_ONE_BOTH)
+    ... --backward --split-rows [--g-one]  # D=64: the warpgroups split the query tiles (SPLIT_ROWS)
 
 That simulator is written against a newer triton and misses a few things this kernel uses; the
 adjustments below are made at run time, in this process only (`_adjust_simulator`):
@@ -513,6 +514,13 @@ def main():
         from streamkl.backends.triton import gluon_backward
 
         gluon_backward.LISTED_LOOPS = gluon_backward.LISTED_LOOPS_BOTH = True
+    if "--split-rows" in sys.argv:  # D=64: the consumer warpgroups split the query tiles (SPLIT_ROWS); the
+        # D=64 cases, and more steps than the ring has slots, with and without causality
+        from streamkl.backends.triton import gluon_backward
+
+        gluon_backward.SPLIT_ROWS = True
+        backward_cases = [c for c in backward_cases if c[5] == 64] + [(1, 576, 256, 2, 2, 64, False),
+                                                                      (1, 448, 512, 1, 1, 64, True)]
     if "--diag-last" in sys.argv:  # BOTH causal: the unmasked steps first, the diagonal's last (DIAG_LAST)
         from streamkl.backends.triton import gluon_backward
 

@@ -1335,6 +1335,10 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         " g_one=True, dq_raw=True)),\n"
         "    'backward reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 128, True,"
         " g_one=True, dq_raw=True)),\n"
+        "    'backward D64 rows split (SPLIT_ROWS)': (False, lambda: b.compile_for_hopper(bf16, 64, False,"
+        " g_one=True, split_rows=True)),\n"
+        "    'backward D64 causal rows split (SPLIT_ROWS)': (False, lambda: b.compile_for_hopper(bf16, 64, True,"
+        " split_rows=True)),\n"
         "}\n"
         "out = {}\n"
         "with tempfile.TemporaryDirectory() as tmp:\n"
@@ -1565,6 +1569,48 @@ def test_gluon_student_backward_reduced_loss(monkeypatch, raw):
     # float16: g rescaled per row (`backward.rescaled_upstream`), so not taken
     x = make_inputs((2, 256), (2, 384), 4, (2, 4), (64, 64), torch.float16, DEVICE, student)
     check(x, taken=False)
+
+
+@gpu
+def test_gluon_student_backward_split_rows(monkeypatch):
+    """`SPLIT_ROWS` (twentieth session: the D=64 student kernel's consumer warpgroups each take their
+    own 64-row query tiles against all 128 keys, dk2^T summed between them at the end) against the
+    float64 reference: per-row g (bfloat16 and float16), causal with Nk = Nq and Nk > Nq, side-1
+    GQA, more steps than the ring has slots (one warpgroup with a step more than the other), packed
+    sequences of whole tiles (empty ones, head chunks), a reduced loss (G_ONE); every one of these
+    launches takes it (spied)."""
+    from streamkl.backends.triton import backward, gluon_backward
+
+    gluon_forward = _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS", True)
+    seen = _spy_launch_constexprs(monkeypatch, "SPLIT_ROWS")
+    bf16, fp16 = torch.bfloat16, torch.float16
+    student = (False, False, True, True)
+    for causal, n_q, n_k, heads_k, dtype in ((False, 256, 384, (2, 4), bf16), (True, 384, 384, (4, 4), bf16),
+                                             (True, 256, 512, (2, 4), bf16), (False, 256, 384, (4, 4), fp16),
+                                             (False, 1088, 1024, (2, 4), bf16), (True, 1088, 1152, (4, 4), bf16)):
+        x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (64, 64), dtype, DEVICE, student)
+        check_against_reference(x, "triton", causal=causal)
+    lens = [(128, 256), (0, 0), (64, 128), (0, 128), (192, 384), (320, 384)]
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    for causal, chunks in ((True, None), (False, 2)):
+        monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", chunks)
+        x = make_inputs((int(cu_q[-1]) + 7,), (int(cu_k[-1]) + 9,), 4, (2, 4), (64, 64), bf16, DEVICE, student)
+        check_against_reference(x, "triton", causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    monkeypatch.setattr(backward, "CHUNKS_OVERRIDE", None)
+    # a reduced loss (G_ONE: one g, in the output scales)
+    for causal in (False, True):
+        x = make_inputs((2, 640), (2, 768), 4, (2, 4), (64, 64), bf16, DEVICE, student)
+        got = torch.autograd.grad(-0.37 * streamkl.kl(*x, backend="triton", reduction="mean", causal=causal), x[2:])
+        leaves = [t.detach().double().requires_grad_(i >= 2) for i, t in enumerate(x)]
+        want = torch.autograd.grad(-0.37 * reference_kl(*leaves, causal=causal)[0].mean(), leaves[2:])
+        for name, a, b in zip(("dq2", "dk2"), got, want):
+            assert torch.isfinite(a).all() and rel_l2(a, b) <= 2e-2, (name, causal, rel_l2(a, b))
+    assert len(seen) >= 10 and all(seen), seen
 
 
 @gpu

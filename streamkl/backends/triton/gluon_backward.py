@@ -773,6 +773,178 @@ if GLUON_IMPORT_ERROR is None:
                       ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)
 
     @gluon.jit
+    def _rows_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
+                       LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
+                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_smem, q_row,
+                       dq_col, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr, G_ONE: gl.constexpr,
+                       DQ_RAW: gl.constexpr):
+        """SPLIT_ROWS (student, D=64): one warpgroup, the stream's query tiles of its parity (tile i
+        when i % 2 == WG) against all 128 of the program's keys, so that the two warpgroups never
+        wait for each other within a step: the [64 rows, 128 keys] scores of both sides, p and q
+        from the rows' statistics (loaded a step ahead), dS2 = g (q - p); dq2 = dS2 k2 with dS2
+        from registers (its [64, D] tile added by a TMA reduction every step), dk2^T += q2^T dS2
+        with dS2 through this warpgroup's shared tile, left in flight until the next step's score
+        products. Each warpgroup's dk2^T covers its own rows; warpgroup 1 hands its sum to
+        warpgroup 0 through shared memory at the end, which stores dk2."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 128, 16])  # [rows or D, 128 keys]
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])  # dq2 [rows, D]
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2)
+        key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        gl.static_assert(D == BLOCK_M)  # (dk2^T [D, 128] shares the scores' layout)
+        o_j = k0 + gl.arange(0, 128, layout=key_layout)  # sequence-local keys
+        zero_s = gl.zeros([BLOCK_M, 128], gl.float32, s_layout)
+        zero_q = gl.zeros([BLOCK_M, D], gl.float32, q_layout)
+        dkt = hopper.warpgroup_mma_init(gl.zeros([D, 128], gl.float32, s_layout))  # in flight across steps
+        ds_own = ds_smem.index(WG)
+        held = n_tiles * 0 - 1  # the query slot the dk product in flight still reads (-1: none)
+        mbarrier.wait(k_bar, 0)
+        if DIAG:  # the steps on the diagonal (masked) first, then the rest
+            n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
+        else:
+            n_diag = n_tiles
+        a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
+            n_tiles * 0 + WG, n_tiles, LSE1, first_tile, n_tiles, n_tiles, LSE1, LSE2, GRAD, LSE1, o_stat, o_grad,
+            stride_sn, stride_gn, 0, 0, BLOCK_M, False, False, False, False, row_layout, G_ONE)
+        for phase in gl.static_range(2 if DIAG else 1):
+            if phase == 0:
+                i_lo = n_tiles * 0 + WG
+                i_hi = n_diag
+            else:  # this warpgroup's first tile from n_diag on
+                i_lo = n_diag + ((n_diag + WG) & 1)
+                i_hi = n_tiles
+            for i in range(i_lo, i_hi, 2):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                t1 = hopper.warpgroup_mma(q1_smem.index(slot), k1_smem.permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                t2 = hopper.warpgroup_mma(q2_smem.index(slot), k2_smem.permute((1, 0)), zero_s, use_acc=False,
+                                          is_async=True)
+                tile_row0 = a_row0
+                lse1 = a_lse1
+                lse2 = a_lse2
+                g = a_g
+                a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
+                    i + 2, n_tiles, LSE1, first_tile, n_tiles, n_tiles, LSE1, LSE2, GRAD, LSE1, o_stat, o_grad,
+                    stride_sn, stride_gn, 0, 0, BLOCK_M, False, False, False, False, row_layout, G_ONE)
+                lse1 = lse1 * 1.4426950408889634
+                lse2 = lse2 * 1.4426950408889634
+                if G_ONE:  # an empty row's gradient is 0: its p and q made 0 by +inf statistics
+                    lse2 = gl.where(lse1 == float("-inf"), float("inf"), lse2)
+                    lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
+                else:
+                    g = gl.where(lse1 == float("-inf"), 0.0, g)
+                # (the dk product in flight finishes before these: wgmma groups complete in order)
+                if EARLY_P:  # side 1's exponentials while the tensor cores run side 2's product
+                    st1, dkt = hopper.warpgroup_mma_wait(1, deps=[t1, dkt])
+                    if held >= 0:
+                        mbarrier.arrive(empty.index(held), count=1)
+                    p = gl.exp2(st1 * scale1 - lse1[:, None])
+                    st2 = hopper.warpgroup_mma_wait(0, deps=[t2])
+                else:
+                    st1, st2, dkt = hopper.warpgroup_mma_wait(0, deps=[t1, t2, dkt])
+                    if held >= 0:
+                        mbarrier.arrive(empty.index(held), count=1)
+                    p = gl.exp2(st1 * scale1 - lse1[:, None])
+                q = gl.exp2(st2 * scale2 - lse2[:, None])
+                if CAUSAL and (phase == 0 or not DIAG):
+                    o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+                    allowed = o_j[None, :] <= (o_i + offset)[:, None]
+                    p = gl.where(allowed, p, 0.0)
+                    q = gl.where(allowed, q, 0.0)
+                ds_t = _times_g(g, q - p, G_ONE).to(ds_own.dtype)
+                ds_own.store(ds_t)  # (read by the dk product; the previous one's finished above)
+                hopper.fence_async_shared()
+                dq = hopper.warpgroup_mma(gl.convert_layout(ds_t, a_layout), k2_smem, zero_q, use_acc=False,
+                                          is_async=True)
+                dkt = hopper.warpgroup_mma(q2_smem.index(slot).permute((1, 0)), ds_own, dkt, is_async=True)
+                held = slot
+                dq = hopper.warpgroup_mma_wait(1, deps=[dq])
+                _reduce_dq(dq_desc, dq_smem, _dq_out(dq, out_scale2, DQ_RAW), q_row + tile_row0, dq_col)
+        dkt = hopper.warpgroup_mma_wait(0, deps=[dkt])
+        if held >= 0:
+            mbarrier.arrive(empty.index(held), count=1)
+        tma.store_wait(0)  # the last reduction has read its shared tile
+        if WG == 1:  # this warpgroup's rows' dk2^T to warpgroup 0
+            dk_smem.store(dkt)
+            mbarrier.arrive(dk_bar, count=1)
+        else:
+            mbarrier.wait(dk_bar, 0)
+            dkt = dkt + dk_smem.load(s_layout)
+            keys = (k0 + gl.arange(0, 128, layout=key_layout)).to(gl.int64)
+            o_d = gl.arange(0, D, layout=row_layout)
+            p_dk = DK2 + o_dk + keys[None, :] * stride_dkn + o_d[:, None]
+            gl.store(p_dk, (dkt * out_scale2).to(DK2.dtype.element_ty))
+
+    @gluon.jit
+    def _rows_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
+                         LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
+                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_smem, q_row,
+                         dq_col, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr, G_ONE: gl.constexpr,
+                         DQ_RAW: gl.constexpr):
+        _rows_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
+                       LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
+                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_smem, q_row,
+                       dq_col, 1, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P, G_ONE, DQ_RAW)
+
+    @gluon.jit
+    def _split_rows(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, GRAD, DK2, dq_desc, seq, head, row_base,
+                    key_base, start_q, start_k, k0, offset, first_tile, n_tiles, stride_sb, stride_sh,
+                    stride_sn, stride_gb, stride_gh, stride_gn, stride_dkb, stride_dkh, stride_dkn, head_lo,
+                    group1, scale1, scale2, out_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                    CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr, G_ONE: gl.constexpr,
+                    DQ_RAW: gl.constexpr, DQ_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr):
+        """SPLIT_ROWS: a program's shared memory, barriers and partitions (`_rows_consumer` twice, the
+        producer as the default kernel's: each slot's query tiles read by one warpgroup)."""
+        q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
+        k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
+        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)  # a tile a warpgroup
+        dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], DQ_LAYOUT)
+        dk_smem = gl.allocate_shared_memory(gl.float32, [D, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        dk_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(k_bar, count=1)
+        mbarrier.init(dk_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)  # (one warpgroup reads a slot's tiles)
+        hopper.fence_async_shared()
+        seq64 = seq.to(gl.int64)
+        o_stat = seq64 * stride_sb + head * stride_sh + row_base * stride_sn
+        o_grad = seq64 * stride_gb + head * stride_gh + row_base * stride_gn
+        o_dk = seq64 * stride_dkb + head * stride_dkh + key_base * stride_dkn
+        q_row = start_q
+        dq_col = (head - head_lo) * D
+        gl.warp_specialize(
+            [
+                (_rows_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
+                                  LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
+                                  k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc,
+                                  dq_all.index(0), q_row, dq_col, 0, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P,
+                                  G_ONE, DQ_RAW)),
+                (_rows_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready,
+                                    empty, LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn,
+                                    stride_dkn, k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                    dq_desc, dq_all.index(1), q_row, dq_col, D, BLOCK_M, STAGES, CAUSAL, DIAG,
+                                    EARLY_P, G_ONE, DQ_RAW)),
+                (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, start_k + k0, (head // group1) * D,
+                                     head * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                                     q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, LSE1, BLOCK_M,
+                                     STAGES, False, 2, 0, False, n_tiles, D, False)),
+            ],
+            [4, 1],
+            [240, 24],  # (both consumers at 240: at 232 one spilled in its loop)
+        )
+
+    @gluon.jit
     def _kl_bwd_gluon_kernel(
         q1_desc, k1_desc, q2_desc, k2_desc,  # 2-D [B * N, H * D] views, boxes [64, D] / [128, D]
         LSE1, LSE2, GRAD, DQ2, DK2,
@@ -814,6 +986,7 @@ if GLUON_IMPORT_ERROR is None:
         DK_DEFER: gl.constexpr,  # student: each step's dk product waited for in the next step (`DK_DEFER`)
         G_ONE: gl.constexpr = False,  # student: one g for every row (a reduced loss), in the output scales (`G_ONE`)
         DQ_RAW: gl.constexpr = False,  # student: dq2 added unscaled, the host's flush scales it (`DQ_RAW`)
+        SPLIT_ROWS: gl.constexpr = False,  # student, D=64: each consumer warpgroup its own query tiles (`SPLIT_ROWS`)
     ):
         pid = gl.program_id(0)
         if ORDERED:
@@ -882,75 +1055,82 @@ if GLUON_IMPORT_ERROR is None:
         if GQA2:
             n_tiles = n_tiles * group2
 
-        q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
-        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
-        k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
-        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
-        # two buffers
-        ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
-        if BOTH:
-            ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
-            both = (ds1_smem, DK1, EXPECT, dq1_desc, out_scale1)
+        if SPLIT_ROWS:
+            _split_rows(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, GRAD, DK2, dq_desc, seq, head, row_base,
+                        key_base, start_q, start_k, k0, offset, first_tile, n_tiles, stride_sb, stride_sh,
+                        stride_sn, stride_gb, stride_gh, stride_gn, stride_dkb, stride_dkh, stride_dkn, head_lo,
+                        group1, scale1, scale2, out_scale2, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P, G_ONE, DQ_RAW,
+                        DQ_LAYOUT, DS_LAYOUT)
         else:
-            both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
-        if DQ_TMA:  # each consumer warpgroup's float32 dq2 tile on its way to the TMA unit
-            dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], DQ_LAYOUT)
-            dq_smem0 = dq_all.index(0)
-            dq_smem1 = dq_all.index(1)
-        else:
-            dq_smem0 = ds_smem
-            dq_smem1 = ds_smem
-        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(k_bar, count=1)
-        for s in gl.static_range(2):
-            mbarrier.init(ds_bar.index(s), count=2)  # both consumer warpgroups' halves stored
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
-        hopper.fence_async_shared()
+            q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
+            q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
+            k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
+            k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
+            # two buffers
+            ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
+            if BOTH:
+                ds1_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)
+                both = (ds1_smem, DK1, EXPECT, dq1_desc, out_scale1)
+            else:
+                both = (ds_smem, DK2, LSE1, dq_desc, out_scale2)
+            if DQ_TMA:  # each consumer warpgroup's float32 dq2 tile on its way to the TMA unit
+                dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], DQ_LAYOUT)
+                dq_smem0 = dq_all.index(0)
+                dq_smem1 = dq_all.index(1)
+            else:
+                dq_smem0 = ds_smem
+                dq_smem1 = ds_smem
+            ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(k_bar, count=1)
+            for s in gl.static_range(2):
+                mbarrier.init(ds_bar.index(s), count=2)  # both consumer warpgroups' halves stored
+            for s in gl.static_range(STAGES):
+                mbarrier.init(ready.index(s), count=1)
+                mbarrier.init(empty.index(s), count=2)
+            hopper.fence_async_shared()
 
-        seq64 = seq.to(gl.int64)
-        o_stat = seq64 * stride_sb + head * stride_sh + row_base * stride_sn
-        o_grad = seq64 * stride_gb + head * stride_gh + row_base * stride_gn
-        o_dq = seq64 * stride_dqb + (head - head_lo) * stride_dqh + row_base * stride_dqn  # the chunk's accumulator
-        o_dk = seq64 * stride_dkb + head2 * stride_dkh + key_base * stride_dkn
-        q_row = start_q
-        k_row = start_k + k0
-        dq_col = (head - head_lo) * D  # DQ_TMA: the head's first column in the chunk's accumulator
-        rot = 0
-        if ROT:  # the producer's stream starts past the diagonal's steps
-            rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
-        gl.warp_specialize(
-            [
-                (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                                 LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                 stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                 k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                 n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                 k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
-                                 both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                 DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
-                (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
-                                   LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
-                                   stride_sn, stride_gn, stride_dqn, stride_dkn,
-                                   k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                   n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
-                                   k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row, dq_col,
-                                   both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
-                                   DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
-                (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
-                                     head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
-                                     q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
-                                     STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
-                                     n_per, D, GQA2, rot, ROT)),
-            ],
-            [4, 1],
-            [240, 32],  # (the default partition gets the rest of 3 x 168: 232; with 232 / 40 BOTH spilled
-            # 40 % more; 240 / 24, both consumers at 240, measured within noise: nineteenth session)
-        )
+            seq64 = seq.to(gl.int64)
+            o_stat = seq64 * stride_sb + head * stride_sh + row_base * stride_sn
+            o_grad = seq64 * stride_gb + head * stride_gh + row_base * stride_gn
+            o_dq = seq64 * stride_dqb + (head - head_lo) * stride_dqh + row_base * stride_dqn  # the chunk's accumulator
+            o_dk = seq64 * stride_dkb + head2 * stride_dkh + key_base * stride_dkn
+            q_row = start_q
+            k_row = start_k + k0
+            dq_col = (head - head_lo) * D  # DQ_TMA: the head's first column in the chunk's accumulator
+            rot = 0
+            if ROT:  # the producer's stream starts past the diagonal's steps
+                rot = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
+            gl.warp_specialize(
+                [
+                    (_bwd_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+                                     LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                                     stride_sn, stride_gn, stride_dqn, stride_dkn,
+                                     k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                     n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                                     k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem0, q_row, dq_col,
+                                     both, 0, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
+                                     DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
+                    (_bwd_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, ds_bar, k_bar, ready, empty,
+                                       LSE1, LSE2, GRAD, DQ2, DK2, o_stat, o_grad, o_dq, o_dk,
+                                       stride_sn, stride_gn, stride_dqn, stride_dkn,
+                                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
+                                       n_full_listed, index, flags_list, seqlen_q, seqlen_k, window_left, window_right,
+                                       k_fresh, n_per, stride_sh, stride_gh, stride_dqh, dq_desc, dq_smem1, q_row,
+                                       dq_col, both, D, BLOCK_M, STAGES, CAUSAL, LISTED, TAIL, GQA2, VEC, DQ_TMA, BOTH,
+                                       DIAG, DQ_COLS, AHEAD, ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)),
+                    (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, k_row, (head // group1) * D,
+                                         head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                                         q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, index, BLOCK_M,
+                                         STAGES, LISTED, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL,
+                                         n_per, D, GQA2, rot, ROT)),
+                ],
+                [4, 1],
+                [240, 32],  # (the default partition gets the rest of 3 x 168: 232; with 232 / 40 BOTH spilled
+                # 40 % more; 240 / 24, both consumers at 240, measured within noise: nineteenth session)
+            )
 
 
 #: Causal dense launches (whole tiles, no GQA) run the steps on the diagonal in one loop and the
@@ -1053,6 +1233,26 @@ DQ_RAW = True
 #: Nineteenth session, all four gradients (two A/B runs, 5 and 9 rounds): causal 7.93 -> 7.80 and
 #: 8.03 -> 7.88 ms, non-causal 15.12 / 15.28 and 15.37 / 15.33 (spreads 0.5-1.3 ms). On.
 G_ONE_BOTH = True
+
+
+#: Student kernel at D=64 (dense or packed whole tiles, no side-2 GQA, no block masks or window):
+#: the two consumer warpgroups split the query tiles instead of the keys (`_rows_consumer`:
+#: each its own 64-row tiles against all 128 keys, dq2 from dS2 in registers, its own dk2^T
+#: summed at the end), so neither waits for the other's dS half within a step, as the keys'
+#: split does before every dq2 product (13 % of a consumer warp's stall samples at D=64,
+#: `results/ncu_source_d64_g_one_h200.txt`), and their exponentials and products can drift
+#: apart; the score products are [64, 128] wgmma tiles (N=128 instead of 64) and dS2 feeds the dq2
+#: product from registers. Twentieth session: written, simulated, off until timed on the H200.
+SPLIT_ROWS = False
+
+
+def split_rows_on(constexprs: dict, switch: bool | None = None) -> bool:
+    """Whether a launch with these constexprs splits the query tiles between the consumer
+    warpgroups (`SPLIT_ROWS`, or `switch` if given): the student kernel at D=64, dq2 by TMA
+    reductions of whole [64, 64] tiles, not listed, no partial tiles, no side-2 GQA."""
+    on = bool(SPLIT_ROWS if switch is None else switch) and not constexprs["BOTH"] and constexprs["D"] == 64
+    return on and constexprs["DQ_TMA"] and constexprs["DQ_COLS"] == 64 and not (
+        constexprs["LISTED"] or constexprs["TAIL"] or constexprs["GQA2"])
 
 
 def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool | None = None) -> bool:
@@ -1236,6 +1436,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DK_DEFER"] = dk_defer_on(constexprs)
     constexprs["G_ONE"] = g_one_on(both, grad_rows, unscaled)
     constexprs["DQ_RAW"] = dq_raw_on(both)
+    constexprs["SPLIT_ROWS"] = split_rows_on(constexprs)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1347,7 +1548,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, SPLIT_ROWS)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1438,14 +1639,15 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
                        tma_dq: bool | None = None, both: bool = False, dq_split: bool | None = None,
                        ahead: bool | None = None, last_diag: bool | None = None, split_listed: bool | None = None,
                        early_p: bool | None = None, dk_defer: bool | None = None, g_one: bool = False,
-                       dq_raw: bool | None = None):
+                       dq_raw: bool | None = None, split_rows: bool | None = None):
     """The student backward compiled for sm_90a (`gluon_forward.compile_sm90`) at one configuration
     (`tma_dq`: dq2 by TMA reductions; `dq_split`: D=64's dq2 columns split between the warpgroups;
     `ahead`: the statistics a step ahead; `last_diag`: BOTH's diagonal steps last; `split_listed`:
     a loop for the full pairs, one for the partial; `early_p`: side 1's exponentials under side 2's
     product; `dk_defer`: each step's dk product waited for in the next step; `g_one`: one g for
-    every row, as `G_ONE` would take a reduced loss's; `dq_raw`: dq2 unscaled; None: as `DQ_TMA` /
-    `DQ_SPLIT64` / `STATS_AHEAD` / `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER` / `DQ_RAW`)."""
+    every row, as `G_ONE` would take a reduced loss's; `dq_raw`: dq2 unscaled; `split_rows`: the
+    query tiles split between the warpgroups; None: as `DQ_TMA` / `DQ_SPLIT64` / `STATS_AHEAD` /
+    `DIAG_LAST` / `LISTED_LOOPS` / `EARLY_P` / `DK_DEFER` / `DQ_RAW` / `SPLIT_ROWS`)."""
     tma_dq = bool(DQ_TMA) if tma_dq is None else tma_dq
     dq_split = bool(DQ_SPLIT64) if dq_split is None else dq_split
     ahead = stats_ahead(both) if ahead is None else ahead
@@ -1483,4 +1685,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["DK_DEFER"] = dk_defer_on(constexprs, dk_defer)
     constexprs["G_ONE"] = g_one and dtype != torch.float16
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
+    constexprs["SPLIT_ROWS"] = split_rows_on(constexprs, split_rows)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
