@@ -773,9 +773,22 @@ if GLUON_IMPORT_ERROR is None:
                       ROT, LSPLIT, EARLY_P, DK_DEFER, G_ONE, DQ_RAW)
 
     @gluon.jit
+    def _rows_stats(lse1, lse2, g, G_ONE: gl.constexpr):
+        """SPLIT_ROWS: a step's loaded statistics as its exponentials take them (log2 units; an empty
+        row's p and q made 0 by +inf, or its g 0)."""
+        lse1 = lse1 * 1.4426950408889634
+        lse2 = lse2 * 1.4426950408889634
+        if G_ONE:
+            lse2 = gl.where(lse1 == float("-inf"), float("inf"), lse2)
+            lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
+        else:
+            g = gl.where(lse1 == float("-inf"), 0.0, g)
+        return lse1, lse2, g
+
+    @gluon.jit
     def _rows_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
                        LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
-                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_smem, q_row,
+                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_all, q_row,
                        dq_col, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr, G_ONE: gl.constexpr,
                        DQ_RAW: gl.constexpr):
@@ -783,10 +796,12 @@ if GLUON_IMPORT_ERROR is None:
         when i % 2 == WG) against all 128 of the program's keys, so that the two warpgroups never
         wait for each other within a step: the [64 rows, 128 keys] scores of both sides, p and q
         from the rows' statistics (loaded a step ahead), dS2 = g (q - p); dq2 = dS2 k2 with dS2
-        from registers (its [64, D] tile added by a TMA reduction every step), dk2^T += q2^T dS2
-        with dS2 through this warpgroup's shared tile, left in flight until the next step's score
-        products. Each warpgroup's dk2^T covers its own rows; warpgroup 1 hands its sum to
-        warpgroup 0 through shared memory at the end, which stores dk2."""
+        from registers, dk2^T += q2^T dS2 with dS2 through this warpgroup's shared tile, left in
+        flight until the next step's score products. Each step's dq2 tile goes to one of two shared
+        float32 tiles and is handed to the TMA unit after the next step's dS2 fence (one fence a
+        step: ptxas makes each a MEMBAR.ALL.CTA, which waits for every load in flight). Each
+        warpgroup's dk2^T covers its own rows; warpgroup 1 hands its sum to warpgroup 0 through
+        shared memory at the end, which stores dk2."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 128, 16])  # [rows or D, 128 keys]
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -801,6 +816,8 @@ if GLUON_IMPORT_ERROR is None:
         dkt = hopper.warpgroup_mma_init(gl.zeros([D, 128], gl.float32, s_layout))  # in flight across steps
         ds_own = ds_smem.index(WG)
         held = n_tiles * 0 - 1  # the query slot the dk product in flight still reads (-1: none)
+        pend_row = n_tiles * 0 - 1  # the first row of the dq2 tile staged and not yet handed over (-1: none)
+        pend_buf = n_tiles * 0  # its shared tile (of this warpgroup's two)
         mbarrier.wait(k_bar, 0)
         if DIAG:  # the steps on the diagonal (masked) first, then the rest
             n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
@@ -809,6 +826,7 @@ if GLUON_IMPORT_ERROR is None:
         a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
             n_tiles * 0 + WG, n_tiles, LSE1, first_tile, n_tiles, n_tiles, LSE1, LSE2, GRAD, LSE1, o_stat, o_grad,
             stride_sn, stride_gn, 0, 0, BLOCK_M, False, False, False, False, row_layout, G_ONE)
+        a_lse1, a_lse2, a_g = _rows_stats(a_lse1, a_lse2, a_g, G_ONE)
         for phase in gl.static_range(2 if DIAG else 1):
             if phase == 0:
                 i_lo = n_tiles * 0 + WG
@@ -830,13 +848,6 @@ if GLUON_IMPORT_ERROR is None:
                 a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
                     i + 2, n_tiles, LSE1, first_tile, n_tiles, n_tiles, LSE1, LSE2, GRAD, LSE1, o_stat, o_grad,
                     stride_sn, stride_gn, 0, 0, BLOCK_M, False, False, False, False, row_layout, G_ONE)
-                lse1 = lse1 * 1.4426950408889634
-                lse2 = lse2 * 1.4426950408889634
-                if G_ONE:  # an empty row's gradient is 0: its p and q made 0 by +inf statistics
-                    lse2 = gl.where(lse1 == float("-inf"), float("inf"), lse2)
-                    lse1 = gl.where(lse1 == float("-inf"), float("inf"), lse1)
-                else:
-                    g = gl.where(lse1 == float("-inf"), 0.0, g)
                 # (the dk product in flight finishes before these: wgmma groups complete in order)
                 if EARLY_P:  # side 1's exponentials while the tensor cores run side 2's product
                     st1, dkt = hopper.warpgroup_mma_wait(1, deps=[t1, dkt])
@@ -857,17 +868,29 @@ if GLUON_IMPORT_ERROR is None:
                     q = gl.where(allowed, q, 0.0)
                 ds_t = _times_g(g, q - p, G_ONE).to(ds_own.dtype)
                 ds_own.store(ds_t)  # (read by the dk product; the previous one's finished above)
-                hopper.fence_async_shared()
+                hopper.fence_async_shared()  # (and the step before's dq2 tile, staged at its end)
+                gl.thread_barrier()  # every thread's fence before the TMA unit reads (the barrier the compiler
+                # places for the stores comes before the fence when the stores were the step before's)
+                if pend_row >= 0:
+                    _tma_reduce_add(dq_desc, [q_row + pend_row, dq_col], dq_all.index(2 * WG + pend_buf))
                 dq = hopper.warpgroup_mma(gl.convert_layout(ds_t, a_layout), k2_smem, zero_q, use_acc=False,
                                           is_async=True)
                 dkt = hopper.warpgroup_mma(q2_smem.index(slot).permute((1, 0)), ds_own, dkt, is_async=True)
                 held = slot
                 dq = hopper.warpgroup_mma_wait(1, deps=[dq])
-                _reduce_dq(dq_desc, dq_smem, _dq_out(dq, out_scale2, DQ_RAW), q_row + tile_row0, dq_col)
+                tma.store_wait(1)  # the reduction of this tile's buffer (two steps ago) has read it
+                pend_buf = (i // 2) % 2
+                dq_all.index(2 * WG + pend_buf).store(_dq_out(dq, out_scale2, DQ_RAW))
+                pend_row = tile_row0
+                # the next step's statistics, in by now (the fence above waited for them)
+                a_lse1, a_lse2, a_g = _rows_stats(a_lse1, a_lse2, a_g, G_ONE)
+        if pend_row >= 0:  # the last dq2 tile
+            hopper.fence_async_shared()
+            _tma_reduce_add(dq_desc, [q_row + pend_row, dq_col], dq_all.index(2 * WG + pend_buf))
         dkt = hopper.warpgroup_mma_wait(0, deps=[dkt])
         if held >= 0:
             mbarrier.arrive(empty.index(held), count=1)
-        tma.store_wait(0)  # the last reduction has read its shared tile
+        tma.store_wait(0)  # the last reductions have read their shared tiles
         if WG == 1:  # this warpgroup's rows' dk2^T to warpgroup 0
             dk_smem.store(dkt)
             mbarrier.arrive(dk_bar, count=1)
@@ -882,13 +905,13 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _rows_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
                          LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
-                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_smem, q_row,
+                         k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_all, q_row,
                          dq_col, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr, G_ONE: gl.constexpr,
                          DQ_RAW: gl.constexpr):
         _rows_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
                        LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
-                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_smem, q_row,
+                       k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_all, q_row,
                        dq_col, 1, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P, G_ONE, DQ_RAW)
 
     @gluon.jit
@@ -905,7 +928,7 @@ if GLUON_IMPORT_ERROR is None:
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
         ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)  # a tile a warpgroup
-        dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], DQ_LAYOUT)
+        dq_all = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, D], DQ_LAYOUT)  # two a warpgroup
         dk_smem = gl.allocate_shared_memory(gl.float32, [D, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         dk_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -928,12 +951,12 @@ if GLUON_IMPORT_ERROR is None:
                 (_rows_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
                                   LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
                                   k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc,
-                                  dq_all.index(0), q_row, dq_col, 0, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P,
+                                  dq_all, q_row, dq_col, 0, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P,
                                   G_ONE, DQ_RAW)),
                 (_rows_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready,
                                     empty, LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn,
                                     stride_dkn, k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                    dq_desc, dq_all.index(1), q_row, dq_col, D, BLOCK_M, STAGES, CAUSAL, DIAG,
+                                    dq_desc, dq_all, q_row, dq_col, D, BLOCK_M, STAGES, CAUSAL, DIAG,
                                     EARLY_P, G_ONE, DQ_RAW)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, start_k + k0, (head // group1) * D,
                                      head * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
