@@ -39,6 +39,8 @@ adjustments below are made at run time, in this process only (`_adjust_simulator
 - no tracing (a client without callbacks); float16 inputs (its tracer cannot read bfloat16).
 - TMA descriptors built by their dataclass, on a 2-D view (the simulator reads the base tensor's
   shape; `common.fast_descriptor`, which the GPU launches use, keeps the unflattened tensor);
+- a shared view reinterpreted larger than itself (SPLIT_ROWS's dk2^T exchange) reads on into the
+  allocation, as on the GPU;
 - gluon_backward.py's own builtin `_tma_reduce_add` (the dq2 TMA reduction, DQ_TMA) is patched like
   Gluon's builtins, so the default backward runs as built (tenth session: 22 cases pass with it).
 Fifth session (2026-11-30), CPU: all eight problems below agree with float64 to 2e-7 (KL) and
@@ -155,6 +157,23 @@ def _adjust_simulator():
             if scheduler is not None:
                 pass_turn(scheduler)
 
+    reinterpret = simulation.Builder.create_memdesc_reinterpret
+
+    def reinterpret_larger(self, ret_ty, mem_desc):
+        # a view reinterpreted larger than itself (SPLIT_ROWS: warpgroup 1's dk2^T over its two dq2
+        # tiles): the allocation's bytes from the view's start, as on the GPU (the view contiguous)
+        import numpy as np
+
+        data = mem_desc.data
+        want = int(np.prod(ret_ty.shape)) * np.dtype(simulation._get_np_dtype(ret_ty.element_ty)).itemsize
+        if data.nbytes < want:
+            assert data.flags.c_contiguous
+            data = np.lib.stride_tricks.as_strided(data.reshape(-1), shape=(want // data.itemsize,),
+                                                   strides=(data.itemsize,))
+            mem_desc = simulation.SharedMemoryHandle(mem_desc.element_ty, list(data.shape), mem_desc.layout, data)
+        return reinterpret(self, ret_ty, mem_desc)
+
+    simulation.Builder.create_memdesc_reinterpret = reinterpret_larger
     simulation.Builder.create_mbarrier_init = barrier_init
     simulation.Builder._signal_barrier = barrier_signal
     simulation.Builder.create_mbarrier_wait = barrier_wait

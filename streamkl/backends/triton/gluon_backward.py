@@ -929,7 +929,8 @@ if GLUON_IMPORT_ERROR is None:
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [128, D], k2_desc.layout)
         ds_smem = gl.allocate_shared_memory(q1_desc.dtype, [2, BLOCK_M, 128], DS_LAYOUT)  # a tile a warpgroup
         dq_all = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, D], DQ_LAYOUT)  # two a warpgroup
-        dk_smem = gl.allocate_shared_memory(gl.float32, [D, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        # warpgroup 1's dk2^T at the end: its two dq2 tiles' room (32 KB), once its reductions have read them
+        dk_smem = dq_all.index(2)._reinterpret(gl.float32, [D, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         dk_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1268,6 +1269,11 @@ G_ONE_BOTH = True
 #: product from registers. Twentieth session: written, simulated, off until timed on the H200.
 SPLIT_ROWS = False
 
+#: SPLIT_ROWS's ring slots (each warpgroup holds two: the step's and, until the next step's score
+#: products are in, the one its dk product reads; 6 x 16 KB fit with two float32 dq2 tiles a
+#: warpgroup, warpgroup 1's dk2^T at the end taking its pair's room).
+SPLIT_ROWS_STAGES = 6
+
 
 def split_rows_on(constexprs: dict, switch: bool | None = None) -> bool:
     """Whether a launch with these constexprs splits the query tiles between the consumer
@@ -1460,6 +1466,8 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["G_ONE"] = g_one_on(both, grad_rows, unscaled)
     constexprs["DQ_RAW"] = dq_raw_on(both)
     constexprs["SPLIT_ROWS"] = split_rows_on(constexprs)
+    if constexprs["SPLIT_ROWS"]:
+        constexprs["STAGES"] = SPLIT_ROWS_STAGES
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1571,7 +1579,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, SPLIT_ROWS)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, SPLIT_ROWS, SPLIT_ROWS_STAGES)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
@@ -1709,4 +1717,6 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["G_ONE"] = g_one and dtype != torch.float16
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
     constexprs["SPLIT_ROWS"] = split_rows_on(constexprs, split_rows)
+    if constexprs["SPLIT_ROWS"]:
+        constexprs["STAGES"] = SPLIT_ROWS_STAGES
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
