@@ -1304,8 +1304,11 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
     reading an in-flight accumulator, which makes every product wait for the one before; seen in
     the ninth session on a variant that carried in-flight products across its loop's back edge),
     and spilled nothing (spills cost the backward 5 % before the ninth session's address fix). The
-    other builds (block masks, packed, D=64) only keep their wgmma asynchronous. Needs no GPU; the
-    launch's argument specialization is reproduced by `compile_sm90`."""
+    other builds (block masks, packed, D=64) only keep their wgmma asynchronous; the D=64 student
+    default since the twentieth session (SPLIT_ROWS) spills a few loop-invariant scalars (8-36 B
+    non-causal; causal 316 B, most in the diagonal's masked loop, a step a warpgroup), so it is
+    checked there. Needs no GPU; the launch's argument specialization is reproduced by
+    `compile_sm90`."""
     _gluon()
     code = (
         "import json, os, subprocess, tempfile, torch, triton\n"
@@ -1327,12 +1330,14 @@ def test_gluon_default_builds_keep_wgmma_asynchronous_and_registers():
         "    'backward both sides listed': (False, lambda: b.compile_for_hopper(bf16, 128, False, True, both=True)),\n"
         "    'backward D64 packed tails gqa': (False, lambda: b.compile_for_hopper(fp16, 64, False, False, True, True,"
         " True, True)),\n"
-        "    'backward D64 (EARLY_P, DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, False)),\n"
-        "    'backward D64 causal (DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, True)),\n"
+        "    'backward D64 keys split (EARLY_P, DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, False,"
+        " split_rows=False)),\n"
+        "    'backward D64 causal keys split (DK_DEFER)': (True, lambda: b.compile_for_hopper(bf16, 64, True,"
+        " split_rows=False)),\n"
         "    'backward both sides reduced loss (G_ONE_BOTH)': (False, lambda: b.compile_for_hopper(bf16, 128, True,"
         " both=True, g_one=True)),\n"
-        "    'backward D64 reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 64, False,"
-        " g_one=True, dq_raw=True)),\n"
+        "    'backward D64 keys split reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 64,"
+        " False, g_one=True, dq_raw=True, split_rows=False)),\n"
         "    'backward reduced loss (G_ONE, DQ_RAW)': (True, lambda: b.compile_for_hopper(bf16, 128, True,"
         " g_one=True, dq_raw=True)),\n"
         "    'backward D64 rows split (SPLIT_ROWS)': (False, lambda: b.compile_for_hopper(bf16, 64, False,"
@@ -1803,6 +1808,39 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
     monkeypatch.setattr(gluon_backward, "DK_DEFER", False)
     assert not defer(64) and not defer(128)
     assert gluon_backward.dk_defer_on(dict(D=64, BOTH=False), True)
+
+
+def test_gluon_backward_split_rows_scope(monkeypatch):
+    """`SPLIT_ROWS` (on since the twentieth session) reaches the student launches at head dim 64,
+    dense or packed whole tiles, causal or not, with their ring slots (4 / 6); not D=128, BOTH,
+    block masks, partial tiles or side-2 GQA (host code only)."""
+    from streamkl.backends.triton import gluon_backward
+    from streamkl.problem import build_problem
+    from streamkl.sparse.schedule import get_schedule
+
+    g = torch.Generator().manual_seed(23)
+
+    def plan(dim=64, n=(256, 384), heads_k=(4, 4), both=False, **kwargs):
+        x = [torch.randn(1, n[i % 2], heads_k[i // 2] if i % 2 else 4, dim, generator=g).to(torch.bfloat16)
+             for i in range(4)]
+        problem = build_problem(*x, **kwargs)
+        lse, rows = torch.zeros(1, 4, n[0]), torch.zeros(1, 4, n[0]).transpose(-1, -2)
+        accum, dk = torch.zeros(1, n[0], 4, dim), torch.zeros_like(x[3])
+        extra = (torch.zeros_like(x[1]), lse, torch.zeros_like(accum)) if both else None
+        schedule = get_schedule(problem, 128, 128) if "mask2" in kwargs else None
+        constexprs = gluon_backward.launch_args(problem, *x, lse, lse, rows, accum, dk, schedule, both=extra)[2]
+        return constexprs["SPLIT_ROWS"], constexprs["STAGES"]
+
+    assert plan() == (True, 4) and plan(causal=True) == (True, 6)
+    assert plan(heads_k=(2, 4)) == (True, 4)  # (side-1 GQA)
+    assert not plan(128)[0] and not plan(both=True)[0] and not plan(n=(200, 300))[0]
+    assert not plan(heads_k=(2, 2))[0]  # side-2 GQA
+    pattern = torch.ones(1, 4, 2, 3, dtype=torch.bool)
+    assert not plan(mask2=streamkl.BlockMask.from_dense(pattern, 128))[0]
+    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS_STAGES", 5)
+    assert plan() == (True, 5)
+    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS", False)
+    assert plan() == (False, 4) and plan(causal=True) == (False, 4)
 
 
 def test_gluon_forward_early_side1_scope(monkeypatch):

@@ -99,6 +99,11 @@ to dk2, dq1 by TMA reductions after dq2's. History (H200, N=16K, D=128, student 
   MEMBAR.ALL.CTA, which waits for global loads in flight) or at the step's end (STATS_LATE, commit
   2d322d1 has it): D=64 5.35 / 5.34 and 5.52 ms, causal 2.84 / 2.85 and 2.93; D=128 9.38 / 9.46
   and 10.25, causal 4.90 / 4.78 and 5.08: the fence's wait moves elsewhere; reverted.
+- twentieth session: at D=64 the consumer warpgroups split the query tiles instead of the keys
+  (`SPLIT_ROWS`, `_rows_consumer`: each its own 64-row tiles against all 128 keys, no wait for the
+  other's dS half, dS2 into the dq2 product from registers, one fence a step): D=64 5.30 -> 4.46 /
+  4.53 ms, causal 2.80 -> 2.45. On where it applies (dense or packed whole tiles, no side-2 GQA, no
+  block masks or window); elsewhere at D=64 the keys' split below.
 Written on a CPU-only machine and checked under triton-viz's Gluon simulator
 (`benchmarks/gluon_simulate.py --backward`), each version before its GPU run.
 
@@ -1264,15 +1269,28 @@ G_ONE_BOTH = True
 #: each its own 64-row tiles against all 128 keys, dq2 from dS2 in registers, its own dk2^T
 #: summed at the end), so neither waits for the other's dS half within a step, as the keys'
 #: split does before every dq2 product (13 % of a consumer warp's stall samples at D=64,
-#: `results/ncu_source_d64_g_one_h200.txt`), and their exponentials and products can drift
-#: apart; the score products are [64, 128] wgmma tiles (N=128 instead of 64) and dS2 feeds the dq2
-#: product from registers. Twentieth session: written, simulated, off until timed on the H200.
-SPLIT_ROWS = False
+#: `results/ncu_source_d64_g_one_h200.txt`); the score products are [64, 128] wgmma tiles and
+#: dS2 feeds the dq2 product from registers (a 64 x 128 step: 537 SASS instructions against the
+#: keys' split's 2 x 392). Twentieth session, H200, N=16K, H=16, bf16, the backward call alone
+#: (interleaved do_bench medians of 5-7 rounds, `results/ab_split_rows_h200.jsonl`): as first
+#: written 5.30 -> 5.54 ms, causal 2.81 -> 2.49; with one fence a step and the statistics scaled
+#: after it (Nsight Compute: those two had 21 % of the stall samples) 5.30 -> 4.46 and 5.34 ->
+#: 4.53 ms, causal 2.80 -> 2.45 with six ring slots. On.
+SPLIT_ROWS = True
 
 #: SPLIT_ROWS's ring slots (each warpgroup holds two: the step's and, until the next step's score
-#: products are in, the one its dk product reads; 6 x 16 KB fit with two float32 dq2 tiles a
-#: warpgroup, warpgroup 1's dk2^T at the end taking its pair's room).
-SPLIT_ROWS_STAGES = 6
+#: products are in, the one its dk product reads), or None: 4 without causality, 6 causal (6 x 16
+#: KB fit with two float32 dq2 tiles a warpgroup, warpgroup 1's dk2^T at the end taking its pair's
+#: room). Measured in the same runs: non-causal 4.44 / 4.53 ms with 4 slots, 5.06 with 5, 4.86 /
+#: 4.87 with 6; causal 2.59 / 2.65 with 4, 2.47 with 5, 2.45 / 2.45 with 6.
+SPLIT_ROWS_STAGES = None
+
+
+def split_rows_stages(causal: bool) -> int:
+    """SPLIT_ROWS's ring slots (`SPLIT_ROWS_STAGES`)."""
+    if SPLIT_ROWS_STAGES is not None:
+        return int(SPLIT_ROWS_STAGES)
+    return 6 if causal else 4
 
 
 def split_rows_on(constexprs: dict, switch: bool | None = None) -> bool:
@@ -1467,7 +1485,7 @@ def launch_plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule=None, unsc
     constexprs["DQ_RAW"] = dq_raw_on(both)
     constexprs["SPLIT_ROWS"] = split_rows_on(constexprs)
     if constexprs["SPLIT_ROWS"]:
-        constexprs["STAGES"] = SPLIT_ROWS_STAGES
+        constexprs["STAGES"] = split_rows_stages(problem.causal)
     if both:  # two query stages: the second dS^T pair takes the third's room
         constexprs["STAGES"] = 2
     constexprs["KEY_MAJOR"] = grid_key_major
@@ -1718,5 +1736,5 @@ def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = Fals
     constexprs["DQ_RAW"] = dq_raw_on(both, dq_raw)
     constexprs["SPLIT_ROWS"] = split_rows_on(constexprs, split_rows)
     if constexprs["SPLIT_ROWS"]:
-        constexprs["STAGES"] = SPLIT_ROWS_STAGES
+        constexprs["STAGES"] = split_rows_stages(causal)
     return compile_sm90(_kl_bwd_gluon_kernel, examples, constexprs)
