@@ -1619,6 +1619,38 @@ def test_gluon_student_backward_split_rows(monkeypatch):
 
 
 @gpu
+def test_gluon_student_backward_split_rows_repeated(monkeypatch):
+    """SPLIT_ROWS's hand-offs between the warpgroups, the TMA unit and the ring (the dq2 tiles
+    staged a step ahead of their reduction, the dk2^T exchange through the dq2 tiles' room, six
+    ring slots) checked for races the way they would show: the same backward 60 times over
+    (causal and not, a reduced loss and per-row g), every result against the float64 reference
+    (the dq2 reductions' order varies, so not bit for bit)."""
+    from streamkl.backends.triton import gluon_backward
+
+    gluon_forward = _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS", True)
+    seen = _spy_launch_constexprs(monkeypatch, "SPLIT_ROWS")
+    for causal in (False, True):
+        x = make_inputs((1, 1024), (1, 1536), 8, (8, 8), (64, 64), torch.bfloat16, DEVICE, (False, False, True, True))
+        leaves = [t.detach().double().requires_grad_(i >= 2) for i, t in enumerate(x)]
+        ref = reference_kl(*leaves, causal=causal)[0]
+        rows = torch.randn(ref.shape, dtype=torch.float64, device=DEVICE)
+        for upstream in (None, rows):
+            want = torch.autograd.grad(ref.sum() if upstream is None else (ref * upstream).sum(), leaves[2:],
+                                       retain_graph=True)
+            out = streamkl.kl(*x, backend="triton", causal=causal, reduction="sum" if upstream is None else "none")
+            for _ in range(15):
+                got = torch.autograd.grad(out if upstream is None else (out * upstream.float()).sum(), x[2:],
+                                          retain_graph=True)
+                for name, a, b in zip(("dq2", "dk2"), got, want):
+                    assert rel_l2(a, b) <= 1e-2, (name, causal, upstream is None, rel_l2(a, b))
+    assert seen and all(seen), seen
+
+
+@gpu
 def test_gluon_both_sides_backward_reduced_loss(monkeypatch):
     """`G_ONE_BOTH` (written in the eighteenth session; passed on the H200 and on since the
     nineteenth): the BOTH kernel with a reduced loss's one g taken out of dS1 and dS2 and into the
