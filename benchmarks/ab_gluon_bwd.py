@@ -38,11 +38,13 @@ def main():
                         "'backward.NAME': backward.py's); 'gluon': False runs backward.py")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     parser.add_argument("--all-grads", action="store_true", help="all four gradients (both sides)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key heads of both sides (GQA; default --heads)")
     args = parser.parse_args()
     variants = json.loads(args.variants)
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = [torch.randn(1, args.n, args.heads, args.dim, device="cuda", dtype=torch.bfloat16, generator=g)
-         .requires_grad_(i >= 2 or args.all_grads) for i in range(4)]
+    kv = args.kv_heads or args.heads
+    x = [torch.randn(1, args.n, kv if i % 2 else args.heads, args.dim, device="cuda", dtype=torch.bfloat16,
+                     generator=g).requires_grad_(i >= 2 or args.all_grads) for i in range(4)]
     wrt = x if args.all_grads else x[2:]
     modules = {"": gluon_backward, "backward.": backward}  # "backward.NAME": an attribute of backward.py
 
@@ -79,7 +81,8 @@ def main():
     lines = []
     for variant, (_, grads), ts in zip(variants, runs, times):
         err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, ref))
-        row = dict(kind="ab_bwd", n=args.n, d=args.dim, causal=args.causal, all_grads=args.all_grads, variant=variant,
+        row = dict(kind="ab_bwd", n=args.n, d=args.dim, causal=args.causal, all_grads=args.all_grads, kv_heads=kv,
+                   variant=variant,
                    ms=statistics.median(ts), spread=max(ts) - min(ts), rounds=[round(t, 3) for t in ts],
                    rel_err_vs_first=err, device=torch.cuda.get_device_name())
         lines.append(json.dumps(row))

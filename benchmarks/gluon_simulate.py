@@ -537,7 +537,7 @@ def main():
         # D=64 cases, and more steps than the ring has slots, with and without causality
         from streamkl.backends.triton import gluon_backward
 
-        gluon_backward.SPLIT_ROWS = True
+        gluon_backward.SPLIT_ROWS = gluon_backward.SPLIT_ROWS_WIDE = True  # (partial tiles, side-2 GQA too)
         backward_cases = [c for c in backward_cases if c[5] == 64] + [(1, 576, 256, 2, 2, 64, False),
                                                                       (1, 448, 512, 1, 1, 64, True)]
     if "--diag-last" in sys.argv:  # BOTH causal: the unmasked steps first, the diagonal's last (DIAG_LAST)

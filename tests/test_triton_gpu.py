@@ -1619,6 +1619,43 @@ def test_gluon_student_backward_split_rows(monkeypatch):
 
 
 @gpu
+def test_gluon_student_backward_split_rows_wide(monkeypatch):
+    """`SPLIT_ROWS_WIDE` (twentieth session): SPLIT_ROWS on partial tiles (the last key tile and
+    query step shifted back, the keys and rows an earlier one owns masked) and with side-2 GQA (a
+    program per side-2 key head, its group's query heads in turn) against the float64 reference:
+    dense and packed tails causal or not, GQA causal or not, a reduced loss on partial tiles;
+    every one of these launches takes it (spied)."""
+    from streamkl.backends.triton import gluon_backward
+
+    gluon_forward = _gluon()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setattr(gluon_forward, "USE_GLUON", True)
+    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS", True)
+    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS_WIDE", True)
+    seen = _spy_launch_constexprs(monkeypatch, "SPLIT_ROWS")
+    bf16 = torch.bfloat16
+    student = (False, False, True, True)
+    for causal, n_q, n_k, heads_k in ((True, 200, 300, (2, 4)), (False, 100, 130, (4, 4)), (True, 1000, 1100, (4, 4)),
+                                      (True, 256, 384, (2, 2)), (False, 200, 300, (1, 2)), (True, 640, 640, (1, 1))):
+        x = make_inputs((2, n_q), (2, n_k), 4, heads_k, (64, 64), bf16, DEVICE, student)
+        check_against_reference(x, "triton", causal=causal)
+    lens = [(100, 200), (0, 0), (64, 130), (200, 300), (333, 444)]
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    for causal in (True, False):
+        x = make_inputs((int(cu_q[-1]) + 5,), (int(cu_k[-1]) + 3,), 4, (2, 4), (64, 64), bf16, DEVICE, student)
+        check_against_reference(x, "triton", causal=causal, cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+    x = make_inputs((2, 700), (2, 900), 4, (2, 4), (64, 64), bf16, DEVICE, student)
+    got = torch.autograd.grad(-0.37 * streamkl.kl(*x, backend="triton", reduction="mean", causal=True), x[2:])
+    leaves = [t.detach().double().requires_grad_(i >= 2) for i, t in enumerate(x)]
+    want = torch.autograd.grad(-0.37 * reference_kl(*leaves, causal=True)[0].mean(), leaves[2:])
+    for name, a, b in zip(("dq2", "dk2"), got, want):
+        assert torch.isfinite(a).all() and rel_l2(a, b) <= 2e-2, (name, rel_l2(a, b))
+    assert len(seen) >= 9 and all(seen), seen
+
+
+@gpu
 def test_gluon_student_backward_split_rows_repeated(monkeypatch):
     """SPLIT_ROWS's hand-offs between the warpgroups, the TMA unit and the ring (the dq2 tiles
     staged a step ahead of their reduction, the dk2^T exchange through the dq2 tiles' room, six

@@ -794,9 +794,9 @@ if GLUON_IMPORT_ERROR is None:
     def _rows_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
                        LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
                        k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_all, q_row,
-                       dq_col, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr, G_ONE: gl.constexpr,
-                       DQ_RAW: gl.constexpr):
+                       dq_col, more, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr,
+                       G_ONE: gl.constexpr, DQ_RAW: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
         """SPLIT_ROWS (student, D=64): one warpgroup, the stream's query tiles of its parity (tile i
         when i % 2 == WG) against all 128 of the program's keys, so that the two warpgroups never
         wait for each other within a step: the [64 rows, 128 keys] scores of both sides, p and q
@@ -806,7 +806,10 @@ if GLUON_IMPORT_ERROR is None:
         float32 tiles and is handed to the TMA unit after the next step's dS2 fence (one fence a
         step: ptxas makes each a MEMBAR.ALL.CTA, which waits for every load in flight). Each
         warpgroup's dk2^T covers its own rows; warpgroup 1 hands its sum to warpgroup 0 through
-        shared memory at the end, which stores dk2."""
+        shared memory at the end, which stores dk2. `more`: (n_per, len_q, k_fresh, stride_sh,
+        stride_gh) for TAIL (a last partial key tile and query step shifted back, the keys and rows
+        an earlier one owns masked) and GQA2 (the group's query heads in turn, n_per steps each)."""
+        n_per, len_q, k_fresh, stride_sh, stride_gh = more
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 128, 16])  # [rows or D, 128 keys]
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -823,14 +826,15 @@ if GLUON_IMPORT_ERROR is None:
         held = n_tiles * 0 - 1  # the query slot the dk product in flight still reads (-1: none)
         pend_row = n_tiles * 0 - 1  # the first row of the dq2 tile staged and not yet handed over (-1: none)
         pend_buf = n_tiles * 0  # its shared tile (of this warpgroup's two)
+        pend_col = dq_col  # its columns in the accumulator
         mbarrier.wait(k_bar, 0)
         if DIAG:  # the steps on the diagonal (masked) first, then the rest
             n_diag = _diag_steps(k0, offset, first_tile, n_tiles, BLOCK_M)
         else:
             n_diag = n_tiles
         a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
-            n_tiles * 0 + WG, n_tiles, LSE1, first_tile, n_tiles, n_tiles, LSE1, LSE2, GRAD, LSE1, o_stat, o_grad,
-            stride_sn, stride_gn, 0, 0, BLOCK_M, False, False, False, False, row_layout, G_ONE)
+            n_tiles * 0 + WG, n_tiles, LSE1, first_tile, n_per, len_q, LSE1, LSE2, GRAD, LSE1, o_stat, o_grad,
+            stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, False, TAIL, GQA2, False, row_layout, G_ONE)
         a_lse1, a_lse2, a_g = _rows_stats(a_lse1, a_lse2, a_g, G_ONE)
         for phase in gl.static_range(2 if DIAG else 1):
             if phase == 0:
@@ -847,12 +851,15 @@ if GLUON_IMPORT_ERROR is None:
                 t2 = hopper.warpgroup_mma(q2_smem.index(slot), k2_smem.permute((1, 0)), zero_s, use_acc=False,
                                           is_async=True)
                 tile_row0 = a_row0
+                fresh_row0 = a_fresh
+                h_in = a_h
                 lse1 = a_lse1
                 lse2 = a_lse2
                 g = a_g
                 a_row0, a_fresh, a_h, a_lse1, a_lse2, a_g, e_next = _step_ahead(
-                    i + 2, n_tiles, LSE1, first_tile, n_tiles, n_tiles, LSE1, LSE2, GRAD, LSE1, o_stat, o_grad,
-                    stride_sn, stride_gn, 0, 0, BLOCK_M, False, False, False, False, row_layout, G_ONE)
+                    i + 2, n_tiles, LSE1, first_tile, n_per, len_q, LSE1, LSE2, GRAD, LSE1, o_stat, o_grad,
+                    stride_sn, stride_gn, stride_sh, stride_gh, BLOCK_M, False, TAIL, GQA2, False, row_layout,
+                    G_ONE)
                 # (the dk product in flight finishes before these: wgmma groups complete in order)
                 if EARLY_P:  # side 1's exponentials while the tensor cores run side 2's product
                     st1, dkt = hopper.warpgroup_mma_wait(1, deps=[t1, dkt])
@@ -866,7 +873,14 @@ if GLUON_IMPORT_ERROR is None:
                         mbarrier.arrive(empty.index(held), count=1)
                     p = gl.exp2(st1 * scale1 - lse1[:, None])
                 q = gl.exp2(st2 * scale2 - lse2[:, None])
-                if CAUSAL and (phase == 0 or not DIAG):
+                if TAIL:  # keys / rows that an earlier tile / step owns (shifted back): dS2 0 here
+                    o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+                    allowed = (o_j >= k_fresh)[None, :] & (o_i >= fresh_row0)[:, None]
+                    if CAUSAL:
+                        allowed = allowed & (o_j[None, :] <= (o_i + offset)[:, None])
+                    p = gl.where(allowed, p, 0.0)
+                    q = gl.where(allowed, q, 0.0)
+                elif CAUSAL and (phase == 0 or not DIAG):
                     o_i = tile_row0 + gl.arange(0, BLOCK_M, layout=row_layout)
                     allowed = o_j[None, :] <= (o_i + offset)[:, None]
                     p = gl.where(allowed, p, 0.0)
@@ -877,7 +891,7 @@ if GLUON_IMPORT_ERROR is None:
                 gl.thread_barrier()  # every thread's fence before the TMA unit reads (the barrier the compiler
                 # places for the stores comes before the fence when the stores were the step before's)
                 if pend_row >= 0:
-                    _tma_reduce_add(dq_desc, [q_row + pend_row, dq_col], dq_all.index(2 * WG + pend_buf))
+                    _tma_reduce_add(dq_desc, [q_row + pend_row, pend_col], dq_all.index(2 * WG + pend_buf))
                 dq = hopper.warpgroup_mma(gl.convert_layout(ds_t, a_layout), k2_smem, zero_q, use_acc=False,
                                           is_async=True)
                 dkt = hopper.warpgroup_mma(q2_smem.index(slot).permute((1, 0)), ds_own, dkt, is_async=True)
@@ -887,11 +901,12 @@ if GLUON_IMPORT_ERROR is None:
                 pend_buf = (i // 2) % 2
                 dq_all.index(2 * WG + pend_buf).store(_dq_out(dq, out_scale2, DQ_RAW))
                 pend_row = tile_row0
+                pend_col = dq_col + h_in * D  # (GQA2: the step's query head's columns)
                 # the next step's statistics, in by now (the fence above waited for them)
                 a_lse1, a_lse2, a_g = _rows_stats(a_lse1, a_lse2, a_g, G_ONE)
         if pend_row >= 0:  # the last dq2 tile
             hopper.fence_async_shared()
-            _tma_reduce_add(dq_desc, [q_row + pend_row, dq_col], dq_all.index(2 * WG + pend_buf))
+            _tma_reduce_add(dq_desc, [q_row + pend_row, pend_col], dq_all.index(2 * WG + pend_buf))
         dkt = hopper.warpgroup_mma_wait(0, deps=[dkt])
         if held >= 0:
             mbarrier.arrive(empty.index(held), count=1)
@@ -905,29 +920,35 @@ if GLUON_IMPORT_ERROR is None:
             keys = (k0 + gl.arange(0, 128, layout=key_layout)).to(gl.int64)
             o_d = gl.arange(0, D, layout=row_layout)
             p_dk = DK2 + o_dk + keys[None, :] * stride_dkn + o_d[:, None]
-            gl.store(p_dk, (dkt * out_scale2).to(DK2.dtype.element_ty))
+            if TAIL:  # keys before k_fresh are the previous tile's (this one shifted back)
+                own = (keys >= k_fresh)[None, :] & (o_d < D)[:, None]
+                gl.store(p_dk, (dkt * out_scale2).to(DK2.dtype.element_ty), mask=own)
+            else:
+                gl.store(p_dk, (dkt * out_scale2).to(DK2.dtype.element_ty))
 
     @gluon.jit
     def _rows_consumer_1(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
                          LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
                          k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_all, q_row,
-                         dq_col, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         dq_col, more, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr, G_ONE: gl.constexpr,
-                         DQ_RAW: gl.constexpr):
+                         DQ_RAW: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
         _rows_consumer(q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
                        LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
                        k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc, dq_all, q_row,
-                       dq_col, 1, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P, G_ONE, DQ_RAW)
+                       dq_col, more, 1, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P, G_ONE, DQ_RAW, TAIL, GQA2)
 
     @gluon.jit
     def _split_rows(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, GRAD, DK2, dq_desc, seq, head, row_base,
                     key_base, start_q, start_k, k0, offset, first_tile, n_tiles, stride_sb, stride_sh,
                     stride_sn, stride_gb, stride_gh, stride_gn, stride_dkb, stride_dkh, stride_dkn, head_lo,
-                    group1, scale1, scale2, out_scale2, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, DIAG: gl.constexpr, EARLY_P: gl.constexpr, G_ONE: gl.constexpr,
-                    DQ_RAW: gl.constexpr, DQ_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr):
+                    group1, scale1, scale2, out_scale2, head2, seqlen_q, k_fresh, n_per, D: gl.constexpr,
+                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DIAG: gl.constexpr,
+                    EARLY_P: gl.constexpr, G_ONE: gl.constexpr, DQ_RAW: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+                    DS_LAYOUT: gl.constexpr, TAIL: gl.constexpr, GQA2: gl.constexpr):
         """SPLIT_ROWS: a program's shared memory, barriers and partitions (`_rows_consumer` twice, the
-        producer as the default kernel's: each slot's query tiles read by one warpgroup)."""
+        producer as the default kernel's: each slot's query tiles read by one warpgroup). head2: side
+        2's key head (GQA2: the group's; `head` its first query head)."""
         q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
         k1_smem = gl.allocate_shared_memory(k1_desc.dtype, [128, D], k1_desc.layout)
@@ -949,25 +970,27 @@ if GLUON_IMPORT_ERROR is None:
         seq64 = seq.to(gl.int64)
         o_stat = seq64 * stride_sb + head * stride_sh + row_base * stride_sn
         o_grad = seq64 * stride_gb + head * stride_gh + row_base * stride_gn
-        o_dk = seq64 * stride_dkb + head * stride_dkh + key_base * stride_dkn
+        o_dk = seq64 * stride_dkb + head2 * stride_dkh + key_base * stride_dkn
         q_row = start_q
         dq_col = (head - head_lo) * D
+        more = (n_per, seqlen_q, k_fresh, stride_sh, stride_gh)
         gl.warp_specialize(
             [
                 (_rows_consumer, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready, empty,
                                   LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn, stride_dkn,
                                   k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2, dq_desc,
-                                  dq_all, q_row, dq_col, 0, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P,
-                                  G_ONE, DQ_RAW)),
+                                  dq_all, q_row, dq_col, more, 0, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P,
+                                  G_ONE, DQ_RAW, TAIL, GQA2)),
                 (_rows_consumer_1, (q1_smem, q2_smem, k1_smem, k2_smem, ds_smem, dk_smem, dk_bar, k_bar, ready,
                                     empty, LSE1, LSE2, GRAD, DK2, o_stat, o_grad, o_dk, stride_sn, stride_gn,
                                     stride_dkn, k0, offset, first_tile, n_tiles, scale1, scale2, out_scale2,
-                                    dq_desc, dq_all, q_row, dq_col, D, BLOCK_M, STAGES, CAUSAL, DIAG,
-                                    EARLY_P, G_ONE, DQ_RAW)),
+                                    dq_desc, dq_all, q_row, dq_col, more, D, BLOCK_M, STAGES, CAUSAL, DIAG,
+                                    EARLY_P, G_ONE, DQ_RAW, TAIL, GQA2)),
                 (_load_then_stream, (k1_desc, k2_desc, k1_smem, k2_smem, k_bar, start_k + k0, (head // group1) * D,
-                                     head * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
+                                     head2 * D, q1_desc, q2_desc, q1_smem, q2_smem, ready, empty,
                                      q_row + first_tile * BLOCK_M, head * D, head * D, n_tiles, LSE1, BLOCK_M,
-                                     STAGES, False, 2, 0, False, n_tiles, D, False)),
+                                     STAGES, False, 2, seqlen_q - BLOCK_M - first_tile * BLOCK_M, TAIL, n_per, D,
+                                     GQA2)),
             ],
             [4, 1],
             [240, 24],  # (both consumers at 240: at 232 one spilled in its loop)
@@ -1088,8 +1111,8 @@ if GLUON_IMPORT_ERROR is None:
             _split_rows(q1_desc, k1_desc, q2_desc, k2_desc, LSE1, LSE2, GRAD, DK2, dq_desc, seq, head, row_base,
                         key_base, start_q, start_k, k0, offset, first_tile, n_tiles, stride_sb, stride_sh,
                         stride_sn, stride_gb, stride_gh, stride_gn, stride_dkb, stride_dkh, stride_dkn, head_lo,
-                        group1, scale1, scale2, out_scale2, D, BLOCK_M, STAGES, CAUSAL, DIAG, EARLY_P, G_ONE, DQ_RAW,
-                        DQ_LAYOUT, DS_LAYOUT)
+                        group1, scale1, scale2, out_scale2, head2, seqlen_q, k_fresh, n_per, D, BLOCK_M, STAGES,
+                        CAUSAL, DIAG, EARLY_P, G_ONE, DQ_RAW, DQ_LAYOUT, DS_LAYOUT, TAIL, GQA2)
         else:
             q1_smem = gl.allocate_shared_memory(q1_desc.dtype, [STAGES, BLOCK_M, D], q1_desc.layout)
             q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, D], q2_desc.layout)
@@ -1293,13 +1316,20 @@ def split_rows_stages(causal: bool) -> int:
     return 6 if causal else 4
 
 
-def split_rows_on(constexprs: dict, switch: bool | None = None) -> bool:
+#: SPLIT_ROWS for partial tiles (TAIL) and side-2 GQA (GQA2) too. Twentieth session: written and
+#: simulated (`gluon_simulate.py --backward --split-rows`), off until run on the H200.
+SPLIT_ROWS_WIDE = False
+
+
+def split_rows_on(constexprs: dict, switch: bool | None = None, wide: bool | None = None) -> bool:
     """Whether a launch with these constexprs splits the query tiles between the consumer
     warpgroups (`SPLIT_ROWS`, or `switch` if given): the student kernel at D=64, dq2 by TMA
-    reductions of whole [64, 64] tiles, not listed, no partial tiles, no side-2 GQA."""
+    reductions of whole [64, 64] tiles, not listed; partial tiles and side-2 GQA with
+    `SPLIT_ROWS_WIDE` (or `wide`) only."""
     on = bool(SPLIT_ROWS if switch is None else switch) and not constexprs["BOTH"] and constexprs["D"] == 64
-    return on and constexprs["DQ_TMA"] and constexprs["DQ_COLS"] == 64 and not (
-        constexprs["LISTED"] or constexprs["TAIL"] or constexprs["GQA2"])
+    wide = bool(SPLIT_ROWS_WIDE if wide is None else wide)
+    return on and constexprs["DQ_TMA"] and constexprs["DQ_COLS"] == 64 and not constexprs["LISTED"] and (
+        wide or not (constexprs["TAIL"] or constexprs["GQA2"]))
 
 
 def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool | None = None) -> bool:
@@ -1597,7 +1627,7 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, SPLIT_ROWS, SPLIT_ROWS_STAGES)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, SPLIT_ROWS, SPLIT_ROWS_STAGES, SPLIT_ROWS_WIDE)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
