@@ -1316,20 +1316,29 @@ def split_rows_stages(causal: bool) -> int:
     return 6 if causal else 4
 
 
-#: SPLIT_ROWS for partial tiles (TAIL) and side-2 GQA (GQA2) too. Twentieth session: written and
-#: simulated (`gluon_simulate.py --backward --split-rows`), off until run on the H200.
+#: SPLIT_ROWS for partial tiles (TAIL) and side-2 GQA (GQA2) too, without causality. Twentieth
+#: session: written, simulated (`gluon_simulate.py --backward --split-rows`), its GPU test passed on
+#: the H200 (`test_gluon_student_backward_split_rows_wide`, causal and not), then timed there (N=16K,
+#: H=16, bf16, the backward call alone, interleaved, 3 rounds, `results/ab_split_rows_wide_h200.jsonl`):
+#: N=16320 5.76 -> 5.25 ms, causal 3.12 -> 3.86; GQA 16/4 5.48 -> 4.78, causal 2.98 -> 3.72 (causal
+#: launches of these mask every step: no diagonal loop; their builds spill ~0.5 KB), hence the scope
+#: without causality. Off: the whole GPU set has not run with it (the session's device time ran out);
+#: run it with this on, then turn it on.
 SPLIT_ROWS_WIDE = False
+#: ... and causal ones too (measured slower, above; for tests).
+SPLIT_ROWS_WIDE_CAUSAL = False
 
 
 def split_rows_on(constexprs: dict, switch: bool | None = None, wide: bool | None = None) -> bool:
     """Whether a launch with these constexprs splits the query tiles between the consumer
     warpgroups (`SPLIT_ROWS`, or `switch` if given): the student kernel at D=64, dq2 by TMA
     reductions of whole [64, 64] tiles, not listed; partial tiles and side-2 GQA with
-    `SPLIT_ROWS_WIDE` (or `wide`) only."""
+    `SPLIT_ROWS_WIDE` (or `wide`) only, and without causality unless `SPLIT_ROWS_WIDE_CAUSAL`."""
     on = bool(SPLIT_ROWS if switch is None else switch) and not constexprs["BOTH"] and constexprs["D"] == 64
     wide = bool(SPLIT_ROWS_WIDE if wide is None else wide)
     return on and constexprs["DQ_TMA"] and constexprs["DQ_COLS"] == 64 and not constexprs["LISTED"] and (
-        wide or not (constexprs["TAIL"] or constexprs["GQA2"]))
+        (wide and (bool(SPLIT_ROWS_WIDE_CAUSAL) or not constexprs["CAUSAL"]))
+        or not (constexprs["TAIL"] or constexprs["GQA2"]))
 
 
 def g_one_on(both: bool, grad_rows: torch.Tensor, unscaled: bool, switch: bool | None = None) -> bool:
@@ -1627,7 +1636,8 @@ def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool
     key = (id(schedule), both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, chunks, DQ_TMA,
            HEAVY_FIRST, DIAG_LOOPS, KEY_MAJOR_GRID, DQ_VEC2, DQ_SPLIT64, STATS_AHEAD,
            STATS_AHEAD_BOTH, DIAG_LAST, LISTED_LOOPS, LISTED_LOOPS_BOTH, EARLY_P, EARLY_P_EVERYWHERE,
-           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, SPLIT_ROWS, SPLIT_ROWS_STAGES, SPLIT_ROWS_WIDE)
+           DK_DEFER, DK_DEFER_EVERYWHERE, G_ONE, G_ONE_BOTH, DQ_RAW, SPLIT_ROWS, SPLIT_ROWS_STAGES, SPLIT_ROWS_WIDE,
+           SPLIT_ROWS_WIDE_CAUSAL)
     kept = problem.extra.get("gluon_backward_plans")
     if kept is None:
         kept = problem.extra["gluon_backward_plans"] = {}
