@@ -1329,13 +1329,13 @@ SPLIT_ROWS_WIDE = False
 SPLIT_ROWS_WIDE_CAUSAL = False
 
 
-def split_rows_on(constexprs: dict, switch: bool | None = None, wide: bool | None = None) -> bool:
+def split_rows_on(constexprs: dict, switch: bool | None = None) -> bool:
     """Whether a launch with these constexprs splits the query tiles between the consumer
     warpgroups (`SPLIT_ROWS`, or `switch` if given): the student kernel at D=64, dq2 by TMA
     reductions of whole [64, 64] tiles, not listed; partial tiles and side-2 GQA with
-    `SPLIT_ROWS_WIDE` (or `wide`) only, and without causality unless `SPLIT_ROWS_WIDE_CAUSAL`."""
+    `SPLIT_ROWS_WIDE` only, and without causality unless `SPLIT_ROWS_WIDE_CAUSAL`."""
     on = bool(SPLIT_ROWS if switch is None else switch) and not constexprs["BOTH"] and constexprs["D"] == 64
-    wide = bool(SPLIT_ROWS_WIDE if wide is None else wide)
+    wide = bool(SPLIT_ROWS_WIDE)
     return on and constexprs["DQ_TMA"] and constexprs["DQ_COLS"] == 64 and not constexprs["LISTED"] and (
         (wide and (bool(SPLIT_ROWS_WIDE_CAUSAL) or not constexprs["CAUSAL"]))
         or not (constexprs["TAIL"] or constexprs["GQA2"]))
