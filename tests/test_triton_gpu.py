@@ -1883,8 +1883,8 @@ def test_gluon_backward_dk_defer_scope(monkeypatch):
 def test_gluon_backward_split_rows_scope(monkeypatch):
     """`SPLIT_ROWS` (on since the twentieth session) reaches the student launches at head dim 64,
     dense or packed whole tiles, causal or not, with their ring slots (4 / 6); not D=128, BOTH,
-    block masks, partial tiles or side-2 GQA; with `SPLIT_ROWS_WIDE` partial tiles and side-2 GQA
-    without causality (host code only)."""
+    block masks; partial tiles and side-2 GQA without causality (`SPLIT_ROWS_WIDE`), not without
+    it (host code only)."""
     from streamkl.backends.triton import gluon_backward
     from streamkl.problem import build_problem
     from streamkl.sparse.schedule import get_schedule
@@ -1904,15 +1904,17 @@ def test_gluon_backward_split_rows_scope(monkeypatch):
 
     assert plan() == (True, 4) and plan(causal=True) == (True, 6)
     assert plan(heads_k=(2, 4)) == (True, 4)  # (side-1 GQA)
-    assert not plan(128)[0] and not plan(both=True)[0] and not plan(n=(200, 300))[0]
-    assert not plan(heads_k=(2, 2))[0]  # side-2 GQA
+    assert not plan(128)[0] and not plan(both=True)[0]
     pattern = torch.ones(1, 4, 2, 3, dtype=torch.bool)
     assert not plan(mask2=streamkl.BlockMask.from_dense(pattern, 128))[0]
-    # SPLIT_ROWS_WIDE: partial tiles and side-2 GQA too, without causality
-    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS_WIDE", True)
+    # SPLIT_ROWS_WIDE (on): partial tiles and side-2 GQA too, without causality
     assert plan(n=(200, 300))[0] and plan(heads_k=(2, 2))[0]
     assert not plan(n=(200, 300), causal=True)[0] and not plan(heads_k=(2, 2), causal=True)[0]
+    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS_WIDE_CAUSAL", True)
+    assert plan(n=(200, 300), causal=True)[0] and plan(heads_k=(2, 2), causal=True)[0]
+    monkeypatch.setattr(gluon_backward, "SPLIT_ROWS_WIDE_CAUSAL", False)
     monkeypatch.setattr(gluon_backward, "SPLIT_ROWS_WIDE", False)
+    assert not plan(n=(200, 300))[0] and not plan(heads_k=(2, 2))[0]
     monkeypatch.setattr(gluon_backward, "SPLIT_ROWS_STAGES", 5)
     assert plan() == (True, 5)
     monkeypatch.setattr(gluon_backward, "SPLIT_ROWS", False)
