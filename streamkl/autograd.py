@@ -265,14 +265,23 @@ class _EagerKL(torch.autograd.Function):
     the front end calls the custom ops instead (see `eager_fast_path`)."""
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, problem, impl, reduction):
-        (kl_rows, lse1, lse2, expect), schedule = run_forward(problem, impl, q1, k1, q2, k2)
+    def forward(ctx, q1, k1, q2, k2, problem, impl, reduction, plan=None):
+        # plan: a `plans.CallPlan` of this call, whose launcher runs the forward unless it declines
+        outputs = None if plan is None else plan.launch(q1, k1, q2, k2)
+        if outputs is None:
+            outputs, schedule = run_forward(problem, impl, q1, k1, q2, k2)
+        else:
+            schedule = plan.schedule
+        kl_rows, lse1, lse2, expect = outputs
         ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, _expect_to_save(ctx, lse1, expect))
         ctx.problem, ctx.impl, ctx.schedule = problem, impl, schedule
         ctx.reduction, ctx.rows_shape = reduction, kl_rows.shape
         # the reduction inside the function: one autograd node for the whole loss (the engine ran
         # two or three more, each with its kernels, for the reduction's ops)
-        ctx.count = mean_count(kl_rows, lse1, problem, schedule) if reduction == "mean" else 1
+        ctx.count = 1
+        if reduction == "mean":
+            ctx.count = plan.count if plan is not None and plan.count is not None else \
+                mean_count(kl_rows, lse1, problem, schedule)
         out = reduce_rows(kl_rows, lse1, reduction, problem, ctx.count)
         ctx.mark_non_differentiable(lse1, lse2, expect)
         ctx.set_materialize_grads(False)
@@ -282,7 +291,7 @@ class _EagerKL(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse1, grad_lse2, grad_expect):
         needs = ctx.needs_input_grad[:4]
         if grad_out is None or not any(needs):
-            return (None,) * 7
+            return (None,) * 8
         q1, k1, q2, k2, lse1, lse2, expect = ctx.saved_tensors
         problem, impl = ctx.problem, ctx.impl
         grad_rows = grad_out
@@ -298,7 +307,7 @@ class _EagerKL(torch.autograd.Function):
             )  # fmt: skip
         else:
             grads = run_backward(problem, impl, ctx.schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
-        return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None, None)
+        return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None, None, None)
 
 
 def eager_fast_path(tensors) -> bool:

@@ -1947,3 +1947,61 @@ def test_gluon_forward_early_side1_scope(monkeypatch):
     monkeypatch.setattr(gluon_forward, "EARLY_SIDE1_LISTED", False)
     assert not gluon_forward.launch_plan(masked, False, get_schedule(masked, 128, 128))[1]["EARLY1"]
     assert not early(overlap=True)
+
+
+def _student_run(x, kwargs):
+    """(kl rows, lse1, lse2, dq2, dk2) of one Triton call on x."""
+    for t in x:
+        t.grad = None
+    out, lse1, lse2 = streamkl.kl(*x, reduction="none", return_lse=True, backend="triton", **kwargs)
+    out.nan_to_num(posinf=0.0).sum().backward()
+    return [out.detach(), lse1, lse2, x[2].grad.clone(), x[3].grad.clone()]
+
+
+@gpu
+def test_gluon_forward_launcher(monkeypatch):
+    """A repeated call of a problem the Gluon forward served takes its launcher (plans.py,
+    `gluon_forward.launcher`: no `gluon_forward.kl_forward` call) and gives bitwise what the full
+    path gives (the forward has no atomics), student gradients too; dense at D=128 causal and D=64,
+    packed sequences, block masks. An input off 16-byte alignment (same metadata, so the same plan)
+    is declined by the launcher and served by forward.py, against the float64 reference."""
+    from streamkl import plans
+    from streamkl.backends.triton import gluon_forward
+
+    _gluon()
+    served = []
+    original = gluon_forward.kl_forward
+    monkeypatch.setattr(gluon_forward, "kl_forward", lambda *a, **k: served.append(1) or original(*a, **k))
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.5
+    pattern[..., 0] = True
+    block = BlockMask.from_dense(pattern, 128)
+    cu = torch.tensor([0, 200, 200, 584], dtype=torch.int32, device=DEVICE)
+    cases = [((1, 384), 128, dict(causal=True)), ((2, 256), 64, {}), ((640,), 128, dict(cu_seqlens=cu)),
+             ((1, 384), 128, dict(mask1=block, mask2=block))]
+    for lead, dim, kwargs in cases:
+        x = make_inputs(lead, lead, 4, (4, 2), (dim, dim), torch.bfloat16, DEVICE, (False, False, True, True))
+        served.clear()
+        first = _student_run(x, kwargs)
+        assert len(served) == 1, kwargs
+        for _ in range(2):
+            again = _student_run(x, kwargs)
+            assert len(served) == 1, kwargs  # the launcher, not the full path
+            for a, b in zip(first, again, strict=True):
+                assert torch.equal(a, b), kwargs
+        with monkeypatch.context() as m:
+            m.setattr(plans, "find", lambda key, objects: None)
+            full = _student_run(x, kwargs)
+        assert len(served) == 2
+        for a, b in zip(first, full, strict=True):
+            assert torch.equal(a, b), kwargs
+    # 2 bytes off: the plan's launcher declines; applies() refuses it, forward.py serves it
+    x = make_inputs((1, 256), (1, 256), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False,) * 4)
+    for _ in range(2):
+        streamkl.kl(*x, backend="triton")
+    wide = torch.randn(1 * 256 * 4 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
+    shifted = [x[0], x[1], wide[1:].view(1, 256, 4, 128), x[3]]
+    assert shifted[2].stride() == x[2].stride() and shifted[2].data_ptr() % 16 == 2
+    served.clear()
+    check_against_reference(shifted, "triton", check_grads=False)
+    assert not served

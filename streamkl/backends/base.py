@@ -49,6 +49,18 @@ class Backend:
     def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
         raise NotImplementedError
 
+    def forward_launcher(self, problem: Problem, schedule: TileSchedule):
+        """After `forward` served `problem` over `schedule`: a function (q1, k1, q2, k2) -> the
+        forward's outputs for inputs of that call's metadata, which may return None for a call it
+        cannot serve (the front end then takes its full path); or None, no launcher. A backend
+        gives one that skips its per-call decisions (plans.py; eager calls only); this one calls
+        `forward` with the problem and schedule (what the front end would have, from its memos)."""
+
+        def launch(q1, k1, q2, k2):
+            return self.forward(problem, q1, k1, q2, k2, schedule)
+
+        return launch
+
 
 def empty_rows_to_zero(grad_rows: torch.Tensor, lse1: torch.Tensor, varlen: bool) -> torch.Tensor:
     """grad_rows (float32, [B, N, H] or [T, H]) with the rows whose side-1 support is empty

@@ -100,6 +100,11 @@ class TritonBackend(Backend):
         with _inputs_device(problem):
             return kl_forward(problem, q1, k1, q2, k2, schedule)
 
+    def forward_launcher(self, problem: Problem, schedule):
+        from streamkl.backends.triton.forward import forward_launcher
+
+        return forward_launcher(problem, schedule) or super().forward_launcher(problem, schedule)
+
     def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
         from streamkl.backends.triton.backward import kl_backward
 

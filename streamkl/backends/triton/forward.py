@@ -411,6 +411,15 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     return kl_rows, lse1, lse2, expect
 
 
+def forward_launcher(problem: Problem, schedule: TileSchedule):
+    """The Gluon forward's launcher (`gluon_forward.launcher`) where it served this problem over
+    this schedule with the current switches, else None (`Backend.forward_launcher`'s then)."""
+    kept = problem.extra.get("gluon_forward_plan")
+    if kept is None or kept[0] is not schedule:
+        return None
+    return gluon_forward.launcher(problem, kept)
+
+
 class _Plan(NamedTuple):
     grid: tuple
     splits: int

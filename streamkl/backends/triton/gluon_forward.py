@@ -728,6 +728,57 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule=None):
     return kl_rows, lse1, lse2, expect
 
 
+def launcher(problem: Problem, kept):
+    """`Backend.forward_launcher` for a problem `kl_forward` served (`kept`: its launch plan,
+    problem.extra["gluon_forward_plan"]), with the current switches and after its kernel was compiled:
+    a function (q1, k1, q2, k2) -> (kl_rows, lse1, lse2, expect) doing only what depends on the call's
+    tensors (outputs, descriptors, the compiled kernel's launch), or None. The function returns None
+    for a call it cannot serve: an input not 16-byte aligned (the other conditions of `applies` are
+    the call's metadata), inputs on another device than the current one, a launch hook set."""
+    from streamkl.backends import base
+    from streamkl.backends.triton.common import fast_descriptor, launch_hooks_active, run_compiled
+
+    _, switches, plan, entry = kept
+    if entry is None or switches != (OVERLAP, EARLY_SIDE1, EARLY_SIDE1_LISTED):
+        return None
+    grid, _, block_n, tensors, scalars = plan
+    inputs = ((problem.heads, problem.dim1, BLOCK_M), (problem.heads_k1, problem.dim1, block_n),
+              (problem.heads, problem.dim2, BLOCK_M), (problem.heads_k2, problem.dim2, block_n))
+    # (`flat_descriptor`'s: [tokens, heads * dim] in [rows, dim] boxes)
+    boxes = [(heads * dim, [rows, dim], shared_layout(rows, dim, problem.dtype)) for heads, dim, rows in inputs]
+    (w1, box1, lay1), (w2, box2, lay2), (w3, box3, lay3), (w4, box4, lay4) = boxes
+    placeholders = any(t is None for t in tensors)
+    device, index, varlen = problem.device, problem.device.index, problem.is_varlen
+    row_shape, lse_shape, stats_shape = problem.row_shape, problem.lse_shape, (2, *problem.lse_shape)
+    empty, float32 = torch.empty, torch.float32
+    if base.POISON_OUTPUTS:  # (`new_outputs`'s NaN-filled outputs, for the tests)
+        def empty(shape, dtype, device):
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    def launch(q1, k1, q2, k2):
+        if (q1.data_ptr() | k1.data_ptr() | q2.data_ptr() | k2.data_ptr()) & 15:
+            return None
+        if (index is not None and torch.cuda.current_device() != index) or launch_hooks_active():
+            return None
+        kl_rows = empty(row_shape, dtype=float32, device=device)
+        # lse1 and lse2 as one allocation's rows (~5 us of the H200's host an allocation; eager calls
+        # only: a custom op's outputs may not alias each other), E alone (not kept for a student's
+        # backward: `autograd._expect_to_save`)
+        lse1, lse2 = empty(stats_shape, dtype=float32, device=device).unbind(0)
+        expect = empty(lse_shape, dtype=float32, device=device)
+        if varlen:
+            write_tail_rows(problem, kl_rows, lse1, lse2, expect)
+        lists = tuple(kl_rows if t is None else t for t in tensors) if placeholders else tensors
+        desc = TensorDescriptor
+        run_compiled(entry, grid, (
+            fast_descriptor(desc, q1, w1, box1, lay1), fast_descriptor(desc, k1, w2, box2, lay2),
+            fast_descriptor(desc, q2, w3, box3, lay3), fast_descriptor(desc, k2, w4, box4, lay4),
+            kl_rows, lse1, lse2, expect, *lists, *scalars))
+        return kl_rows, lse1, lse2, expect
+
+    return launch
+
+
 def compile_sm90(kernel, examples: dict, constexprs: dict):
     """Compile a Gluon kernel for sm_90a without a GPU (CI: the code stays valid Gluon for this
     triton, ptxas included), from example values of its runtime arguments (CPU tensors, host

@@ -1,0 +1,124 @@
+"""Call plans: an eager call with the arguments of a call served before skips the front end.
+
+`streamkl.kl`'s host path before its first launch (validation, backend choice, autograd layers, tile
+schedule, the backend's launch decisions, output allocation, launch arguments) cost ~50 us a call on
+a CPU host and ~0.2 ms on the H200's, paid before the GPU starts: in a synchronized measurement or
+a short call (90 % block sparsity: a 0.5 ms forward) that is a sizeable share. Each of those steps
+is already memoized by the call's metadata (`build_problem`, `get_schedule`, the backends' launch
+plans kept in `Problem.extra`); a plan jumps straight to the end of the chain.
+
+After a call, the front end asks the backend for a launcher of that problem (`Backend.
+forward_launcher`: a closure allocating the outputs and launching the already compiled kernel on
+the call's tensors, or None) and keeps it, with the problem, backend and schedule, under a key of
+everything the path read: the inputs' metadata, the options and the masks / cu_seqlens passed (by
+identity and version, as `build_problem`'s memo), the output options, the environment variables
+read at call time, the grad mode, and `GENERATION`: a count of attribute assignments on the
+package's modules (their switches, set by tests and A/B scripts, or monkeypatched functions), so
+that any such change retires every plan. A launcher returns None where it cannot serve a call
+(an input not 16-byte aligned, another current device, a launch hook set): the front end then takes
+the full path. Never while compiling, under a dispatch mode or a functorch transform
+(`autograd.eager_fast_path`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from collections import OrderedDict
+
+import torch
+
+#: Attribute assignments on the package's modules since import (any retires every plan).
+GENERATION = [0]
+_ROOT = __name__.rsplit(".", 1)[0]  # the package's name ("streamkl", or a renamed copy's)
+_ENV = ("STREAMKL_BACKEND", "STREAMKL_GLUON", "TRITON_INTERPRET")  # read at call time on the path
+_PLANS: OrderedDict = OrderedDict()
+_WATCHED = [0]  # len(sys.modules) when the package's modules were last watched
+
+
+class _WatchedModule(types.ModuleType):
+    """A module whose attribute assignments (a switch set, a function monkeypatched) advance
+    `GENERATION`. Reads are plain module reads."""
+
+    def __setattr__(self, name, value):
+        GENERATION[0] += 1
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        GENERATION[0] += 1
+        super().__delattr__(name)
+
+
+def watch_modules() -> None:
+    """Give every loaded module of the package `_WatchedModule`'s class (those loaded since the
+    last look: a plan is made after a call, which loaded every module its path reads)."""
+    if len(sys.modules) == _WATCHED[0]:
+        return
+    prefix = _ROOT + "."
+    for name, module in list(sys.modules.items()):
+        if (name == _ROOT or name.startswith(prefix)) and type(module) is types.ModuleType:
+            module.__class__ = _WatchedModule
+    _WATCHED[0] = len(sys.modules)
+
+
+def plan_key(call_key, reduction, return_lse, backend) -> tuple:
+    """The key of a call: `problem._call_key`'s (inputs, options, masks) and what else it reads."""
+    env = os.environ
+    return (call_key, reduction.__class__, reduction, return_lse.__class__, return_lse, backend.__class__, backend,
+            env.get(_ENV[0]), env.get(_ENV[1]), env.get(_ENV[2]), torch.is_grad_enabled(), GENERATION[0])
+
+
+class CallPlan:
+    """What a call with a planned key runs: the launcher, then the reduction (and autograd)."""
+
+    __slots__ = ("objects", "problem", "impl", "schedule", "launch", "reduction", "return_lse", "grad", "count")
+
+    def __init__(self, objects, problem, impl, schedule, launch, reduction, return_lse, grad):
+        from streamkl.problem import structural_row_count
+
+        self.objects, self.problem, self.impl, self.schedule = objects, problem, impl, schedule
+        self.launch, self.reduction, self.return_lse, self.grad = launch, reduction, return_lse, grad
+        self.count = structural_row_count(problem) if reduction == "mean" else None  # None: per call (mean_count)
+        if self.count is not None:
+            self.count = max(self.count, 1)
+
+    def run(self, q1, k1, q2, k2):
+        """The call's result, or None where the launcher declined it (the caller takes the full path)."""
+        from streamkl.autograd import _EagerKL, reduce_rows
+
+        if self.grad:
+            out, lse1, lse2, _ = _EagerKL.apply(q1, k1, q2, k2, self.problem, self.impl, self.reduction, self)
+        else:
+            outputs = self.launch(q1, k1, q2, k2)
+            if outputs is None:
+                return None
+            kl_rows, lse1, lse2, _ = outputs
+            out = reduce_rows(kl_rows, lse1, self.reduction, self.problem, self.count, self.schedule)
+        if self.return_lse:
+            return out, lse1.detach(), lse2.detach()
+        return out
+
+
+def find(key, objects) -> CallPlan | None:
+    plan = _PLANS.get(key)
+    if plan is None or not all(a is b for a, b in zip(plan.objects, objects)):
+        return None
+    _PLANS.move_to_end(key)
+    return plan
+
+
+def remember(key, objects, problem, impl, reduction, return_lse, grad) -> None:
+    """Keep a plan for `key` after its call ran the full path, if the backend gives a launcher."""
+    from streamkl.sparse.schedule import get_schedule
+
+    schedule = get_schedule(problem, *impl.tile_sizes(problem))  # (the call's own: cached)
+    launch = impl.forward_launcher(problem, schedule)
+    if launch is None:
+        return
+    watch_modules()
+    if key[-1] != GENERATION[0]:  # (watching changed nothing, but a switch set during the call would)
+        return
+    _PLANS[key] = CallPlan(objects, problem, impl, schedule, launch, reduction, return_lse, grad)
+    while len(_PLANS) > 32:
+        _PLANS.popitem(last=False)
