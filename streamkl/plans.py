@@ -29,6 +29,9 @@ from collections import OrderedDict
 
 import torch
 
+#: False: no plan is made or used (every call takes the full path; A/B timings, tests).
+ENABLED = True
+
 #: Attribute assignments on the package's modules since import (any retires every plan).
 GENERATION = [0]
 _ROOT = __name__.rsplit(".", 1)[0]  # the package's name ("streamkl", or a renamed copy's)
