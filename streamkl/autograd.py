@@ -274,7 +274,7 @@ class _EagerKL(torch.autograd.Function):
             schedule = plan.schedule
         kl_rows, lse1, lse2, expect = outputs
         ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, _expect_to_save(ctx, lse1, expect))
-        ctx.problem, ctx.impl, ctx.schedule = problem, impl, schedule
+        ctx.problem, ctx.impl, ctx.schedule, ctx.plan = problem, impl, schedule, plan
         ctx.reduction, ctx.rows_shape = reduction, kl_rows.shape
         # the reduction inside the function: one autograd node for the whole loss (the engine ran
         # two or three more, each with its kernels, for the reduction's ops)
@@ -306,7 +306,12 @@ class _EagerKL(torch.autograd.Function):
                 ints, floats, impl.name, list(needs),
             )  # fmt: skip
         else:
-            grads = run_backward(problem, impl, ctx.schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
+            plan = ctx.plan  # its backward launcher once a backward of the plan took the full path
+            grads = None if plan is None else plan.backward(q1, k1, q2, k2, lse1, lse2, expect, grad_rows)
+            if grads is None:
+                grads = run_backward(problem, impl, ctx.schedule, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
+                if plan is not None:
+                    plan.learn_backward(needs)
         return tuple(g if need else None for g, need in zip(grads, needs)) + (None, None, None, None)
 
 

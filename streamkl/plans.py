@@ -42,10 +42,12 @@ _WATCHED = [0]  # len(sys.modules) when the package's modules were last watched
 
 class _WatchedModule(types.ModuleType):
     """A module whose attribute assignments (a switch set, a function monkeypatched) advance
-    `GENERATION`. Reads are plain module reads."""
+    `GENERATION`, but for a module assigned (the import system binding a submodule to its package
+    when first imported: a backend's lazily imported modules). Reads are plain module reads."""
 
     def __setattr__(self, name, value):
-        GENERATION[0] += 1
+        if not isinstance(value, types.ModuleType):
+            GENERATION[0] += 1
         super().__setattr__(name, value)
 
     def __delattr__(self, name):
@@ -75,13 +77,16 @@ def plan_key(call_key, reduction, return_lse, backend) -> tuple:
 class CallPlan:
     """What a call with a planned key runs: the launcher, then the reduction (and autograd)."""
 
-    __slots__ = ("objects", "problem", "impl", "schedule", "launch", "reduction", "return_lse", "grad", "count")
+    __slots__ = ("objects", "problem", "impl", "schedule", "launch", "reduction", "return_lse", "grad", "count",
+                 "generation", "backward_launch")
 
-    def __init__(self, objects, problem, impl, schedule, launch, reduction, return_lse, grad):
+    def __init__(self, objects, problem, impl, schedule, launch, reduction, return_lse, grad, generation):
         from streamkl.problem import structural_row_count
 
         self.objects, self.problem, self.impl, self.schedule = objects, problem, impl, schedule
         self.launch, self.reduction, self.return_lse, self.grad = launch, reduction, return_lse, grad
+        self.generation = generation
+        self.backward_launch = None  # None: not asked for yet (`learn_backward`); False: the backend has none
         self.count = structural_row_count(problem) if reduction == "mean" else None  # None: per call (mean_count)
         if self.count is not None:
             self.count = max(self.count, 1)
@@ -103,6 +108,21 @@ class CallPlan:
         return out
 
 
+    def backward(self, q1, k1, q2, k2, lse1, lse2, expect, grad_rows):
+        """The backward's gradients through the backend's backward launcher (`Backend.
+        backward_launcher`), or None: none yet, the plan retired since its forward (a switch set in
+        between), or the launcher declined (the caller then runs the backend's backward)."""
+        launch = self.backward_launch
+        if not launch or self.generation != GENERATION[0]:
+            return None
+        return launch(q1, k1, q2, k2, lse1, lse2, expect, grad_rows)
+
+    def learn_backward(self, needs) -> None:
+        """After a backward of this plan took the full path: ask the backend for its launcher."""
+        if self.backward_launch is None and self.generation == GENERATION[0]:
+            self.backward_launch = self.impl.backward_launcher(self.problem, self.schedule, tuple(needs)) or False
+
+
 def find(key, objects) -> CallPlan | None:
     plan = _PLANS.get(key)
     if plan is None or not all(a is b for a, b in zip(plan.objects, objects)):
@@ -122,6 +142,6 @@ def remember(key, objects, problem, impl, reduction, return_lse, grad) -> None:
     watch_modules()
     if key[-1] != GENERATION[0]:  # (watching changed nothing, but a switch set during the call would)
         return
-    _PLANS[key] = CallPlan(objects, problem, impl, schedule, launch, reduction, return_lse, grad)
+    _PLANS[key] = CallPlan(objects, problem, impl, schedule, launch, reduction, return_lse, grad, key[-1])
     while len(_PLANS) > 32:
         _PLANS.popitem(last=False)

@@ -178,3 +178,19 @@ def test_modules_are_watched_once_planned():
 
     for name in ("streamkl", "streamkl.api", "streamkl.backends.base", "streamkl.backends.torch_chunked"):
         assert type(sys.modules[name]) is plans._WatchedModule, name
+
+
+def test_a_first_import_keeps_the_plans():
+    """A submodule imported for the first time is bound to its package (a module assignment): no
+    switch, so the plans stay (a backend's first backward imports its modules lazily)."""
+    import streamkl.backends as package
+
+    generation = plans.GENERATION[0]
+    x = make_inputs((1, 40), (1, 40), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
+    streamkl.kl(*x, backend="torch")
+    assert type(package) is plans._WatchedModule
+    before = plans.GENERATION[0]
+    package._test_submodule = plans  # (a module, as the import system assigns)
+    assert plans.GENERATION[0] == before >= generation
+    del package._test_submodule
+    assert plans.GENERATION[0] == before + 1

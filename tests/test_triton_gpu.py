@@ -1958,20 +1958,32 @@ def _student_run(x, kwargs):
     return [out.detach(), lse1, lse2, x[2].grad.clone(), x[3].grad.clone()]
 
 
+def _same_run(first, again, kwargs):
+    """`_student_run`'s results: the forward's bitwise, the gradients to summation order."""
+    for a, b in zip(first[:3], again[:3], strict=True):
+        assert torch.equal(a, b), kwargs
+    for a, b in zip(first[3:], again[3:], strict=True):
+        assert rel_l2(b, a) < 1e-3, kwargs
+
+
 @gpu
 def test_gluon_forward_launcher(monkeypatch):
-    """A repeated call of a problem the Gluon forward served takes its launcher (plans.py,
-    `gluon_forward.launcher`: no `gluon_forward.kl_forward` call) and gives bitwise what the full
-    path gives (the forward has no atomics), student gradients too; dense at D=128 causal and D=64,
-    packed sequences, block masks. An input off 16-byte alignment (same metadata, so the same plan)
-    is declined by the launcher and served by forward.py, against the float64 reference."""
+    """A repeated call of a problem the Gluon kernels served takes their launchers (plans.py,
+    `gluon_forward.launcher`, `gluon_backward.backward_launcher`: no `gluon_forward.kl_forward` or
+    `gluon_backward.kl_backward` call) and gives what the full path gives: the forward bitwise (no
+    atomics), the student gradients to float32 summation order (dq2's atomic adds); dense at D=128
+    causal and D=64, packed sequences, block masks. An input off 16-byte alignment (same metadata,
+    so the same plan) is declined by the launcher and served by forward.py, against the float64
+    reference."""
     from streamkl import plans
-    from streamkl.backends.triton import gluon_forward
+    from streamkl.backends.triton import gluon_backward, gluon_forward
 
     _gluon()
-    served = []
+    served, backwards = [], []
     original = gluon_forward.kl_forward
     monkeypatch.setattr(gluon_forward, "kl_forward", lambda *a, **k: served.append(1) or original(*a, **k))
+    original_bwd = gluon_backward.kl_backward
+    monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a, **k: backwards.append(1) or original_bwd(*a, **k))
     g = torch.Generator(device=DEVICE).manual_seed(5)
     pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.5
     pattern[..., 0] = True
@@ -1982,19 +1994,18 @@ def test_gluon_forward_launcher(monkeypatch):
     for lead, dim, kwargs in cases:
         x = make_inputs(lead, lead, 4, (4, 2), (dim, dim), torch.bfloat16, DEVICE, (False, False, True, True))
         served.clear()
+        backwards.clear()
         first = _student_run(x, kwargs)
-        assert len(served) == 1, kwargs
+        assert len(served) == 1 and len(backwards) == 1, kwargs
         for _ in range(2):
             again = _student_run(x, kwargs)
-            assert len(served) == 1, kwargs  # the launcher, not the full path
-            for a, b in zip(first, again, strict=True):
-                assert torch.equal(a, b), kwargs
+            assert len(served) == 1 and len(backwards) == 1, kwargs  # the launchers, not the full path
+            _same_run(first, again, kwargs)
         with monkeypatch.context() as m:
             m.setattr(plans, "find", lambda key, objects: None)
             full = _student_run(x, kwargs)
-        assert len(served) == 2
-        for a, b in zip(first, full, strict=True):
-            assert torch.equal(a, b), kwargs
+        assert len(served) == 2 and len(backwards) == 2
+        _same_run(first, full, kwargs)
     # 2 bytes off: the plan's launcher declines; applies() refuses it, forward.py serves it
     x = make_inputs((1, 256), (1, 256), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False,) * 4)
     for _ in range(2):

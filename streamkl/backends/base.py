@@ -61,6 +61,13 @@ class Backend:
 
         return launch
 
+    def backward_launcher(self, problem: Problem, schedule: TileSchedule, needs: tuple):
+        """After `backward` served `problem` over `schedule` for these `needs` (in a planned call): a
+        function (q1, k1, q2, k2, lse1, lse2, expect, grad_rows) -> `backward`'s gradients for a call
+        of the same metadata, grad_rows as the front end gives them (empty rows not zeroed), which may
+        return None for a call it cannot serve; or None (this one: the front end runs `backward`)."""
+        return None
+
 
 def empty_rows_to_zero(grad_rows: torch.Tensor, lse1: torch.Tensor, varlen: bool) -> torch.Tensor:
     """grad_rows (float32, [B, N, H] or [T, H]) with the rows whose side-1 support is empty

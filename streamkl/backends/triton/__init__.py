@@ -105,6 +105,11 @@ class TritonBackend(Backend):
 
         return forward_launcher(problem, schedule) or super().forward_launcher(problem, schedule)
 
+    def backward_launcher(self, problem: Problem, schedule, needs):
+        from streamkl.backends.triton.gluon_backward import backward_launcher
+
+        return backward_launcher(problem, schedule, needs)
+
     def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
         from streamkl.backends.triton.backward import kl_backward
 

@@ -713,11 +713,14 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     atomic = not deterministic and (not two_sides or bool(TUNE.get("atomic2", False)))
     if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
         return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
+    # (which Gluon kernel served, kept for a planned call's backward launcher: `gluon_backward.backward_launcher`)
     if gluon_backward.applies_both(problem, q1, k1, q2, k2, needs, deterministic):  # all four, one kernel (sm_90)
         if not gluon_backward.listed(problem) or (schedule.block_q, schedule.block_k) == (128, gluon_backward.BLOCK_N):
+            problem.extra["gluon_backward_served"] = (schedule, tuple(needs), True)
             return gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule)
     if gluon_backward.chosen(problem, q1, k1, q2, k2, needs, deterministic):  # sm_90 (gluon_backward.py)
         if not gluon_backward.listed(problem) or (schedule.block_q, schedule.block_k) == (128, gluon_backward.BLOCK_N):
+            problem.extra["gluon_backward_served"] = (schedule, tuple(needs), False)
             return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule)
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
     dk2 = _grad_buffer(k2, varlen) if need_dk2 else None

@@ -1626,6 +1626,31 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedul
     return _backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule, None)
 
 
+def backward_launcher(problem: Problem, schedule, needs: tuple):
+    """`Backend.backward_launcher` where a Gluon kernel served this problem's last backward with
+    this schedule and these needs (`backward.kl_backward` keeps which): straight to `_backward`,
+    past `backward.kl_backward`'s choice, which for a call of the same metadata reads only what
+    the function checks: the inputs' 16-byte alignment, deterministic algorithms off, the inputs'
+    device current (the other conditions are the metadata, switches and environment its plan is
+    keyed by); else it returns None. None where no Gluon kernel served."""
+    served = problem.extra.get("gluon_backward_served")
+    if served is None or served[0] is not schedule or served[1] != needs:
+        return None
+    both, index = served[2], problem.device.index
+
+    def launch(q1, k1, q2, k2, lse1, lse2, expect, grad_rows):
+        if (q1.data_ptr() | k1.data_ptr() | q2.data_ptr() | k2.data_ptr()) & 15:
+            return None
+        if torch.are_deterministic_algorithms_enabled():
+            return None
+        if index is not None and torch.cuda.current_device() != index:
+            return None
+        # (as `autograd.run_backward` gives it: this backend zeroes empty rows itself)
+        return _backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows.float(), schedule, expect if both else None)
+
+    return launch
+
+
 def _plans(problem: Problem, lse1, g, accum2, dk2, schedule, g_scale, both: bool, chunks: int) -> list:
     """The launch plans of `_backward`'s head chunks, kept with the problem (`problem.extra`, as the
     forward's: the front end hands a call with a validated call's metadata that call's Problem), one

@@ -633,13 +633,21 @@ def shared_layout(rows: int, dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype(dtype))
 
 
+_BOXES: dict = {}  # (rows, dim, dtype) -> (common.fast_descriptor, block shape, shared layout)
+
+
 def flat_descriptor(t: torch.Tensor, rows: int):
     """A host TMA descriptor of an input as 2-D [tokens, heads * dim], in [rows, dim] boxes
-    (`common.fast_descriptor`: `applies` checked what the dataclass's constructor would)."""
-    from streamkl.backends.triton.common import fast_descriptor
+    (`common.fast_descriptor`: `applies` checked what the dataclass's constructor would). What the
+    box makes is kept by box (~1 us of the CPU host a descriptor, several a call)."""
+    shape = t.shape
+    dim = shape[-1]
+    box = _BOXES.get((rows, dim, t.dtype))
+    if box is None:
+        from streamkl.backends.triton.common import fast_descriptor
 
-    dim = t.shape[-1]
-    return fast_descriptor(TensorDescriptor, t, t.shape[-2] * dim, [rows, dim], shared_layout(rows, dim, t.dtype))
+        box = _BOXES[(rows, dim, t.dtype)] = (fast_descriptor, [rows, dim], shared_layout(rows, dim, t.dtype))
+    return box[0](TensorDescriptor, t, shape[-2] * dim, box[1], box[2])
 
 
 def descriptors(problem: Problem, q1, k1, q2, k2, block_n: int):
