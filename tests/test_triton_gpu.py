@@ -824,7 +824,7 @@ def test_gluon_forward_is_the_default_where_measured_faster(monkeypatch):
 
 def _count_both_sides_calls(monkeypatch, **switches) -> list:
     """Skip off sm_90; set gluon_backward's switches; the returned list grows by one per call of
-    the kernel with BOTH (`kl_backward_both`)."""
+    the kernel with BOTH (`gluon_backward._backward` with `expect`)."""
     from streamkl.backends.triton import gluon_backward
 
     _gluon()
@@ -833,8 +833,8 @@ def _count_both_sides_calls(monkeypatch, **switches) -> list:
     for name, value in switches.items():
         monkeypatch.setattr(gluon_backward, name, value)
     calls = []
-    original = gluon_backward.kl_backward_both
-    monkeypatch.setattr(gluon_backward, "kl_backward_both", lambda *a: calls.append(1) or original(*a))
+    original = gluon_backward._backward  # (`kl_backward_both`'s, and a planned call's backward launcher's)
+    monkeypatch.setattr(gluon_backward, "_backward", lambda *a: (a[-1] is not None and calls.append(1)) or original(*a))
     return calls
 
 
@@ -1976,35 +1976,38 @@ def test_gluon_forward_launcher(monkeypatch):
     so the same plan) is declined by the launcher and served by forward.py, against the float64
     reference."""
     from streamkl import plans
-    from streamkl.backends.triton import gluon_backward, gluon_forward
+    from streamkl.backends.triton import backward, gluon_backward, gluon_forward
 
     _gluon()
-    served, backwards = [], []
+    served, backwards, gluon_backwards = [], [], []
     original = gluon_forward.kl_forward
     monkeypatch.setattr(gluon_forward, "kl_forward", lambda *a, **k: served.append(1) or original(*a, **k))
-    original_bwd = gluon_backward.kl_backward
-    monkeypatch.setattr(gluon_backward, "kl_backward", lambda *a, **k: backwards.append(1) or original_bwd(*a, **k))
+    original_bwd = backward.kl_backward  # the backward's full path (its choice of kernel)
+    monkeypatch.setattr(backward, "kl_backward", lambda *a, **k: backwards.append(1) or original_bwd(*a, **k))
+    original_gluon = gluon_backward._backward  # the Gluon student kernel's launches
+    monkeypatch.setattr(gluon_backward, "_backward", lambda *a: gluon_backwards.append(1) or original_gluon(*a))
     g = torch.Generator(device=DEVICE).manual_seed(5)
     pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.5
     pattern[..., 0] = True
     block = BlockMask.from_dense(pattern, 128)
     cu = torch.tensor([0, 200, 200, 584], dtype=torch.int32, device=DEVICE)
-    cases = [((1, 384), 128, dict(causal=True)), ((2, 256), 64, {}), ((640,), 128, dict(cu_seqlens=cu)),
-             ((1, 384), 128, dict(mask1=block, mask2=block))]
-    for lead, dim, kwargs in cases:
-        x = make_inputs(lead, lead, 4, (4, 2), (dim, dim), torch.bfloat16, DEVICE, (False, False, True, True))
-        served.clear()
-        backwards.clear()
+    cases = [((1, 384), 128, (4, 4), dict(causal=True)), ((2, 256), 64, (4, 2), {}),
+             ((640,), 128, (4, 4), dict(cu_seqlens=cu)), ((1, 384), 128, (4, 4), dict(mask1=block, mask2=block))]
+    for lead, dim, heads_k, kwargs in cases:
+        x = make_inputs(lead, lead, 4, heads_k, (dim, dim), torch.bfloat16, DEVICE, (False, False, True, True))
+        for calls in (served, backwards, gluon_backwards):
+            calls.clear()
         first = _student_run(x, kwargs)
-        assert len(served) == 1 and len(backwards) == 1, kwargs
-        for _ in range(2):
+        assert (len(served), len(backwards), len(gluon_backwards)) == (1, 1, 1), kwargs
+        for call in range(2):
             again = _student_run(x, kwargs)
-            assert len(served) == 1 and len(backwards) == 1, kwargs  # the launchers, not the full path
+            # the launchers, not the full paths
+            assert (len(served), len(backwards), len(gluon_backwards)) == (1, 1, 2 + call), kwargs
             _same_run(first, again, kwargs)
         with monkeypatch.context() as m:
             m.setattr(plans, "find", lambda key, objects: None)
             full = _student_run(x, kwargs)
-        assert len(served) == 2 and len(backwards) == 2
+        assert (len(served), len(backwards), len(gluon_backwards)) == (2, 2, 4), kwargs
         _same_run(first, full, kwargs)
     # 2 bytes off: the plan's launcher declines; applies() refuses it, forward.py serves it
     x = make_inputs((1, 256), (1, 256), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False,) * 4)
