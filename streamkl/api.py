@@ -42,7 +42,9 @@ def kl(
     objects = (cu_seqlens, cu_seqlens_k, mask1, mask2)
     check_values = cu_seqlens is not None and _may_sync()  # only varlen checks read values
     key = None
-    if plans.ENABLED and (backend is None or backend.__class__ is str) and autograd.eager_fast_path((q1, k1, q2, k2)):
+    # (compiling first: code traced by torch.compile reads none of this; plans.WATCHED says why)
+    if (not torch.compiler.is_compiling() and plans.ENABLED and (backend is None or backend.__class__ is str)
+            and autograd.eager_fast_path((q1, k1, q2, k2))):
         options = (window, scale1, scale2, causal, max_seqlen, max_seqlen_k, deterministic, check_values, False)
         call_key = _call_key((q1, k1, q2, k2), options, objects)
         if call_key is not None:

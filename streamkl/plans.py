@@ -13,10 +13,10 @@ the call's tensors, or None) and keeps it, with the problem, backend and schedul
 everything the path read: the inputs' metadata, the options and the masks / cu_seqlens passed (by
 identity and version, as `build_problem`'s memo), the output options, the environment variables
 read at call time, the grad mode, and `GENERATION`: a count of attribute assignments on the
-package's modules (their switches, set by tests and A/B scripts, or monkeypatched functions), so
-that any such change retires every plan. A launcher returns None where it cannot serve a call
-(an input not 16-byte aligned, another current device, a launch hook set): the front end then takes
-the full path. Never while compiling, under a dispatch mode or a functorch transform
+package's modules that hold switches (`WATCHED`: the switches set by tests and A/B scripts, or
+functions monkeypatched there), so that any such change retires every plan. A launcher returns
+None where it cannot serve a call (an input not 16-byte aligned, another current device, a launch
+hook set): the front end then takes the full path. Never while compiling, under a dispatch mode or a functorch transform
 (`autograd.eager_fast_path`).
 """
 
@@ -55,14 +55,22 @@ class _WatchedModule(types.ModuleType):
         super().__delattr__(name)
 
 
+#: The modules watched: those holding the switches the plans' paths read (and the front end's), none
+#: that code traced by torch.compile imports inside a function (the packages, triton/common.py, the
+#: CuPy and torch backends, sparse/: TorchDynamo before torch 2.13 refuses an import whose result is
+#: not exactly a module, `istype`; the GPU compile tests, tests/test_gpu_capture.py, cover that).
+WATCHED = ("api", "autograd", "plans", "dispatch", "problem", "backends.base", "backends.triton.forward",
+           "backends.triton.backward", "backends.triton.gluon_forward", "backends.triton.gluon_backward")
+
+
 def watch_modules() -> None:
-    """Give every loaded module of the package `_WatchedModule`'s class (those loaded since the
-    last look: a plan is made after a call, which loaded every module its path reads)."""
+    """Give the `WATCHED` modules loaded `_WatchedModule`'s class (a plan is made after a call,
+    which loaded every module its path reads)."""
     if len(sys.modules) == _WATCHED[0]:
         return
-    prefix = _ROOT + "."
-    for name, module in list(sys.modules.items()):
-        if (name == _ROOT or name.startswith(prefix)) and type(module) is types.ModuleType:
+    for name in WATCHED:
+        module = sys.modules.get(f"{_ROOT}.{name}")
+        if module is not None and type(module) is types.ModuleType:
             module.__class__ = _WatchedModule
     _WATCHED[0] = len(sys.modules)
 
@@ -120,6 +128,7 @@ class CallPlan:
     def learn_backward(self, needs) -> None:
         """After a backward of this plan took the full path: ask the backend for its launcher."""
         if self.backward_launch is None and self.generation == GENERATION[0]:
+            watch_modules()  # (the backward's modules, loaded by its first call)
             self.backward_launch = self.impl.backward_launcher(self.problem, self.schedule, tuple(needs)) or False
 
 

@@ -111,6 +111,8 @@ def test_what_the_key_holds(builds, monkeypatch):
 def test_a_switch_retires_every_plan(builds, monkeypatch):
     """An assignment to any module of the package (a switch, a monkeypatched function) advances
     GENERATION: the next call takes the full path (and reads the new setting)."""
+    from streamkl.backends.triton import gluon_backward  # (loaded before the plan: watched from it on)
+
     x = make_inputs((1, 40), (1, 40), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
     streamkl.kl(*x, backend="torch")
     streamkl.kl(*x, backend="torch")
@@ -121,9 +123,7 @@ def test_a_switch_retires_every_plan(builds, monkeypatch):
     streamkl.kl(*x, backend="torch")
     streamkl.kl(*x, backend="torch")
     assert len(builds) == 2
-    from streamkl.backends import torch_chunked
-
-    monkeypatch.setattr(torch_chunked, "_unused_switch_for_this_test", 1, raising=False)
+    monkeypatch.setattr(gluon_backward, "_unused_switch_for_this_test", 1, raising=False)
     streamkl.kl(*x, backend="torch")
     assert len(builds) == 3
 
@@ -172,18 +172,27 @@ def test_no_plan_off_the_eager_path(monkeypatch):
 
 
 def test_modules_are_watched_once_planned():
+    """The switch modules are watched; the packages and the modules that code traced by
+    torch.compile imports inside functions stay plain modules (TorchDynamo before 2.13 refuses
+    an import whose result's type is not exactly ModuleType)."""
+    import sys
+    import types
+
+    from streamkl.backends.triton import backward, common, forward, gluon_backward  # noqa: F401
+
     x = make_inputs((1, 40), (1, 40), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
     streamkl.kl(*x, backend="torch")
-    import sys
-
-    for name in ("streamkl", "streamkl.api", "streamkl.backends.base", "streamkl.backends.torch_chunked"):
-        assert type(sys.modules[name]) is plans._WatchedModule, name
+    for name in plans.WATCHED:
+        assert type(sys.modules[f"streamkl.{name}"]) is plans._WatchedModule, name
+    for name in ("streamkl", "streamkl.backends", "streamkl.backends.triton", "streamkl.backends.triton.common",
+                 "streamkl.backends.torch_chunked", "streamkl.sparse.block_mask"):
+        assert type(sys.modules[name]) is types.ModuleType, name
 
 
 def test_a_first_import_keeps_the_plans():
     """A submodule imported for the first time is bound to its package (a module assignment): no
     switch, so the plans stay (a backend's first backward imports its modules lazily)."""
-    import streamkl.backends as package
+    from streamkl.backends.triton import gluon_backward as package
 
     generation = plans.GENERATION[0]
     x = make_inputs((1, 40), (1, 40), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)

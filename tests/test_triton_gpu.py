@@ -1999,15 +1999,19 @@ def test_gluon_forward_launcher(monkeypatch):
             calls.clear()
         first = _student_run(x, kwargs)
         assert (len(served), len(backwards), len(gluon_backwards)) == (1, 1, 1), kwargs
+        # the second call: the forward's launcher (its plan was made after the first call's forward);
+        # the backward's full path, after which the plan asks for the backward's launcher
+        _same_run(first, _student_run(x, kwargs), kwargs)
+        assert (len(served), len(backwards), len(gluon_backwards)) == (1, 2, 2), kwargs
         for call in range(2):
             again = _student_run(x, kwargs)
             # the launchers, not the full paths
-            assert (len(served), len(backwards), len(gluon_backwards)) == (1, 1, 2 + call), kwargs
+            assert (len(served), len(backwards), len(gluon_backwards)) == (1, 2, 3 + call), kwargs
             _same_run(first, again, kwargs)
         with monkeypatch.context() as m:
             m.setattr(plans, "find", lambda key, objects: None)
             full = _student_run(x, kwargs)
-        assert (len(served), len(backwards), len(gluon_backwards)) == (2, 2, 4), kwargs
+        assert (len(served), len(backwards), len(gluon_backwards)) == (2, 3, 5), kwargs
         _same_run(first, full, kwargs)
     # 2 bytes off: the plan's launcher declines; applies() refuses it, forward.py serves it
     x = make_inputs((1, 256), (1, 256), 4, (4, 4), (128, 128), torch.bfloat16, DEVICE, (False,) * 4)
