@@ -35,7 +35,7 @@ ENABLED = True
 #: Attribute assignments on the package's modules since import (any retires every plan).
 GENERATION = [0]
 _ROOT = __name__.rsplit(".", 1)[0]  # the package's name ("streamkl", or a renamed copy's)
-_ENV = ("STREAMKL_BACKEND", "STREAMKL_GLUON", "TRITON_INTERPRET")  # read at call time on the path
+_ENV = ("STREAMKL_BACKEND", "STREAMKL_GLUON", "TRITON_INTERPRET", "STREAMKL_CUPY_EMULATE")  # read at call time
 _PLANS: OrderedDict = OrderedDict()
 _WATCHED = [0]  # len(sys.modules) when the package's modules were last watched
 
@@ -79,7 +79,8 @@ def plan_key(call_key, reduction, return_lse, backend) -> tuple:
     """The key of a call: `problem._call_key`'s (inputs, options, masks) and what else it reads."""
     env = os.environ
     return (call_key, reduction.__class__, reduction, return_lse.__class__, return_lse, backend.__class__, backend,
-            env.get(_ENV[0]), env.get(_ENV[1]), env.get(_ENV[2]), torch.is_grad_enabled(), GENERATION[0])
+            env.get(_ENV[0]), env.get(_ENV[1]), env.get(_ENV[2]), env.get(_ENV[3]), torch.is_grad_enabled(),
+            GENERATION[0])
 
 
 class CallPlan:
