@@ -71,3 +71,22 @@ def check_against_reference(inputs, backend, check_grads=True, **kwargs):
         err = rel_l2(g, rg)
         assert err <= grad_tol, f"{name}: relative L2 error {err:.3g} > {grad_tol}"
     return out
+
+
+def front_end_cases(device):
+    """(inputs, kwargs) covering the front end's paths on small float32 problems: dense causal; a
+    window with a sum and a scale; block masks with per-row output; packed sequences (an empty one)
+    with and without max_seqlen."""
+    from streamkl.varlen import cu_seqlens_from_lengths
+
+    dense = make_inputs((2, 40), (2, 56), 4, (2, 1), (16, 8), torch.float32, device)
+    varlen = make_inputs((70,), (70,), 2, (1, 2), (16, 16), torch.float32, device)
+    cu = cu_seqlens_from_lengths([30, 0, 33], device)
+    mask = streamkl.BlockMask.from_dense(torch.rand(1, 1, 3, 4, device=device) < 0.6, 16)
+    return [
+        (dense, dict(causal=True)),
+        (dense, dict(window=(7, 3), reduction="sum", scale2=0.3)),
+        (dense, dict(mask2=mask, mask1=mask, reduction="none")),
+        (varlen, dict(cu_seqlens=cu, max_seqlen=33, max_seqlen_k=33, causal=True)),
+        (varlen, dict(cu_seqlens=cu)),
+    ]

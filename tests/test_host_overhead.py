@@ -11,29 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import make_inputs
+from helpers import front_end_cases, make_inputs
 
 import streamkl
 from streamkl import api
 from streamkl import autograd as kl_autograd
-from streamkl.varlen import cu_seqlens_from_lengths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import host_overhead  # noqa: E402
-
-
-def _cases():
-    dense = make_inputs((2, 40), (2, 56), 4, (2, 1), (16, 8), torch.float32, DEVICE)
-    varlen = make_inputs((70,), (70,), 2, (1, 2), (16, 16), torch.float32, DEVICE)
-    cu = cu_seqlens_from_lengths([30, 0, 33], DEVICE)
-    mask = streamkl.BlockMask.from_dense(torch.rand(1, 1, 3, 4, device=DEVICE) < 0.6, 16)
-    return [
-        (dense, dict(causal=True)),
-        (dense, dict(window=(7, 3), reduction="sum", scale2=0.3)),
-        (dense, dict(mask2=mask, mask1=mask, reduction="none")),
-        (varlen, dict(cu_seqlens=cu, max_seqlen=33, max_seqlen_k=33, causal=True)),
-        (varlen, dict(cu_seqlens=cu)),
-    ]
 
 
 def _grads(inputs, **kwargs):
@@ -49,7 +34,7 @@ def _grads(inputs, **kwargs):
 @pytest.mark.parametrize("case", range(5))
 def test_eager_path_matches_custom_ops(case, monkeypatch):
     """`_EagerKL` and the custom ops (the compiled path) give bitwise the same outputs and grads."""
-    inputs, kwargs = _cases()[case]
+    inputs, kwargs = front_end_cases(DEVICE)[case]
     eager = _grads(inputs, **kwargs)
     monkeypatch.setattr(kl_autograd, "eager_fast_path", lambda tensors: False)
     ops = _grads(inputs, **kwargs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import make_inputs
+from helpers import front_end_cases, make_inputs
 
 import streamkl
 from streamkl import api, plans
@@ -16,20 +16,6 @@ from streamkl import autograd as kl_autograd
 from streamkl.backends import base
 from streamkl.backends.torch_chunked import TorchChunkedBackend
 from streamkl.varlen import cu_seqlens_from_lengths
-
-
-def _cases():
-    dense = make_inputs((2, 40), (2, 56), 4, (2, 1), (16, 8), torch.float32, DEVICE)
-    varlen = make_inputs((70,), (70,), 2, (1, 2), (16, 16), torch.float32, DEVICE)
-    cu = cu_seqlens_from_lengths([30, 0, 33], DEVICE)
-    mask = streamkl.BlockMask.from_dense(torch.rand(1, 1, 3, 4, device=DEVICE) < 0.6, 16)
-    return [
-        (dense, dict(causal=True)),
-        (dense, dict(window=(7, 3), reduction="sum", scale2=0.3)),
-        (dense, dict(mask2=mask, mask1=mask, reduction="none")),
-        (varlen, dict(cu_seqlens=cu, max_seqlen=33, max_seqlen_k=33, causal=True)),
-        (varlen, dict(cu_seqlens=cu)),
-    ]
 
 
 @pytest.fixture
@@ -59,7 +45,7 @@ def _run(inputs, grad, **kwargs):
 def test_repeated_calls_take_the_plan(case, grad, builds, monkeypatch):
     """The second and third calls take the first one's plan (no problem built) and give bitwise the
     full path's outputs and gradients."""
-    inputs, kwargs = _cases()[case]
+    inputs, kwargs = front_end_cases(DEVICE)[case]
     first = _run(inputs, grad, **kwargs)
     assert len(builds) == 1
     for _ in range(2):
