@@ -62,6 +62,8 @@ def stub_gpu():
             module.capability = lambda index: (9, 0)
         if hasattr(module, "device_index"):
             module.device_index = lambda problem: 0
+        if hasattr(module, "sm_count"):  # (the Gluon backward's grid order asks at some shapes)
+            module.sm_count = lambda index: 132
         if hasattr(module, "launch"):
             module.launch = lambda *args, **kwargs: None
     forward._multiprocessors = backward._multiprocessors = lambda index: 132
