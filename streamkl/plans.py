@@ -116,7 +116,6 @@ class CallPlan:
             return out, lse1.detach(), lse2.detach()
         return out
 
-
     def backward(self, q1, k1, q2, k2, lse1, lse2, expect, grad_rows):
         """The backward's gradients through the backend's backward launcher (`Backend.
         backward_launcher`), or None: none yet, the plan retired since its forward (a switch set in

@@ -2032,3 +2032,36 @@ def test_gluon_forward_launcher(monkeypatch):
     served.clear()
     check_against_reference(shifted, "triton", check_grads=False)
     assert not served
+
+
+@gpu
+def test_raw_launch_on_the_gpu(monkeypatch):
+    """`common.RAW_LAUNCH` (twenty-first session; off, written without a GPU): the kept compiled
+    kernels launched through `raw_launcher` (the launcher's C function, arguments expanded here) give
+    bitwise the forward of Triton's own launch path and gradients matching the float64 reference:
+    the Gluon forward and student backward dense, packed and with block masks, forward.py's kernel
+    (D=96)."""
+    from streamkl.backends.triton import common
+
+    _gluon()
+    made = []
+    original = common.raw_launcher
+    monkeypatch.setattr(common, "raw_launcher", lambda compiled: made.append(original(compiled)) or made[-1])
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.5
+    pattern[..., 0] = True
+    block = BlockMask.from_dense(pattern, 128)
+    cu = torch.tensor([0, 200, 200, 584], dtype=torch.int32, device=DEVICE)
+    cases = [((1, 384), 128, dict(causal=True)), ((2, 256), 64, {}), ((640,), 128, dict(cu_seqlens=cu)),
+             ((1, 384), 128, dict(mask1=block, mask2=block)), ((1, 256), 96, {})]
+    for lead, dim, kwargs in cases:
+        x = make_inputs(lead, lead, 4, (4, 4), (dim, dim), torch.bfloat16, DEVICE, (False, False, True, True))
+        monkeypatch.setattr(common, "RAW_LAUNCH", False)
+        first = [_student_run(x, kwargs) for _ in range(2)][-1]  # (the second call: kept kernels)
+        monkeypatch.setattr(common, "RAW_LAUNCH", True)
+        for _ in range(2):
+            _same_run(first, _student_run(x, kwargs), kwargs)
+        check_against_reference(x, "triton", **kwargs)
+    monkeypatch.setattr(common, "RAW_LAUNCH", False)
+    # (a kernel with global scratch, e.g. device-side descriptors, keeps Triton's path: None)
+    assert any(raw is not None for raw in made), made

@@ -352,12 +352,79 @@ def compiled_entry(kernel, compiled, n_args: int, constexprs: dict):
     return compiled, tuple(constexprs[name] for name in names)
 
 
+#: Launch kept compiled kernels through their launcher's C function with the arguments already
+#: expanded (`raw_launcher`), past Triton's Python wrapper: triton 3.6's `CudaLauncher.__call__` and
+#: `wrap_handle_tensordesc`, whose loop walks every argument and, per TMA descriptor, looks up its
+#: metadata and the driver before filling it. Twenty-first session: on an idle GPU the time from the
+#: event recorded just before `run_compiled` to the Gluon forward's end exceeded its back-to-back
+#: time by 0.03-0.05 ms (`benchmarks/sync_gap.py`), likely this launch path's host time. Written
+#: and its argument expansion checked against Triton's own on the CPU (tests/test_raw_launch.py);
+#: not yet run on a GPU: off.
+RAW_LAUNCH = False
+
+_RAW: dict = {}  # id(compiled kernel) -> (the kernel, its raw launcher or None)
+
+
+def raw_launcher(compiled):
+    """A function (grid, stream, args, tail) launching `compiled` as `compiled.run` would, but
+    calling its launcher's C function directly with the expanded arguments; None where the launcher
+    is not triton 3.6's `CudaLauncher` as expected (then `compiled.run` serves): scratch memory,
+    descriptors lowered to pointers, fp4 padding, or another structure."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except Exception:  # pragma: no cover - triton without its NVIDIA backend
+        return None
+    run = getattr(compiled, "run", None)
+    if not isinstance(run, nvidia.CudaLauncher) or run.global_scratch_size or run.profile_scratch_size:
+        return None
+    launch = run.launch
+    if getattr(launch, "__closure__", None):  # wrap_handle_tensordesc's `inner`
+        cells = dict(zip(launch.__code__.co_freevars, (cell.cell_contents for cell in launch.__closure__)))
+        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+            return None
+        c_launch, positions, metas = cells["launcher"], sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+    else:
+        c_launch, positions, metas = launch, [], []
+    if len(positions) != len(metas) or any(m is None or m["fp4_padded"] for m in metas):
+        return None
+    fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+    specs = [(m["swizzle"], m["elem_size"], nvidia.TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], m["block_size"])
+             for m in metas]
+    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+            None, None, None)
+    # the arguments between descriptors: (start, end) slices of the call's arguments
+    spans = list(zip([0] + [p + 1 for p in positions], positions + [None]))
+
+    def raw(grid, stream, args, tail):
+        values = (*args, *tail)
+        out = [grid[0], grid[1], grid[2], stream, *head, *values[spans[0][0]:spans[0][1]]]
+        for (swizzle, size, dtype, block), (_, end), position in zip(specs, spans[1:], positions):
+            desc = values[position]
+            shape, strides = desc.shape, desc.strides
+            out.append(fill(desc.base.data_ptr(), swizzle, size, dtype, block, shape, strides,
+                            1 if desc.padding == "nan" else 0))
+            out += shape
+            out += strides
+            out += values[position + 1:end]
+        c_launch(*out)
+
+    return raw
+
+
 def run_compiled(entry, grid: tuple, args: tuple):
     """Launch `entry` = (a compiled kernel, its constexprs' values in parameter order) on the
-    current stream through its own launcher (`direct_launch`'s second path)."""
+    current stream through its own launcher (`direct_launch`'s second path; with `RAW_LAUNCH`,
+    through `raw_launcher`'s)."""
     compiled, tail = entry
     stream = torch.cuda.current_stream().cuda_stream
     grid = (*grid, 1, 1)
+    if RAW_LAUNCH:
+        kept = _RAW.get(id(compiled))
+        if kept is None or kept[0] is not compiled:
+            kept = _RAW[id(compiled)] = (compiled, raw_launcher(compiled))
+        if kept[1] is not None:
+            kept[1](grid, stream, args, tail)
+            return compiled
     compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
     return compiled
