@@ -7,7 +7,9 @@ only 2-3 %; a constant host cost would not scale with the kernel's time. This ti
 both ways and, inside the call, records a CUDA event just before and just after the forward's
 kernel launch (`common.run_compiled`, wrapped), so the synchronized call splits into
 start -> launch (the host's time before the launch, as the GPU sees it), the kernel, and launch
-end -> end event (the reduction's kernel). SDPA's forward is timed both ways beside it.
+end -> end event (the reduction's kernel). SDPA's forward is timed both ways beside it. On an
+idle GPU the "before" event runs at once, so the launch path's own host time (Triton's launcher,
+`launch_host_ms`: its CPU time) lands in the synchronized "kernel" figure too.
 
     python benchmarks/sync_gap.py --out $OUT/sync_gap.jsonl
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,13 +35,16 @@ import streamkl  # noqa: E402
 from streamkl.backends.triton import common  # noqa: E402
 
 MARKS: list = []  # (event before, event after) of each wrapped launch while recording
+LAUNCH_HOST: list = []  # host seconds of each wrapped launch (the launch path after the "before" event)
 _RUN = common.run_compiled
 
 
 def _marked_run(entry, grid, args):
     before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     before.record()
+    start = time.perf_counter()
     out = _RUN(entry, grid, args)
+    LAUNCH_HOST.append(time.perf_counter() - start)
     after.record()
     MARKS.append((before, after))
     return out
@@ -84,6 +90,7 @@ def main():
                 fn()
             torch.cuda.synchronize()
             gaps, kernels, tails, syncs = [], [], [], []
+            LAUNCH_HOST.clear()
             for _ in range(args.repeats):
                 MARKS.clear()
                 timer.flush.zero_()
@@ -107,7 +114,8 @@ def main():
             med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
             row = dict(case=f"fwd D={d}{' causal' if causal else ''}{' 90%' if sparsity else ''}", provider=name,
                        sync_ms=med(syncs), back_ms=med(back), host_ms=med(host), gap_ms=med(gaps),
-                       kernel_sync_ms=med(kernels), kernel_back_ms=med(back_kernels), tail_ms=med(tails))
+                       kernel_sync_ms=med(kernels), kernel_back_ms=med(back_kernels), tail_ms=med(tails),
+                       launch_host_ms=med([t * 1e3 for t in LAUNCH_HOST]))
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
