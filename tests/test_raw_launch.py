@@ -103,7 +103,7 @@ def test_raw_launcher_declines_what_it_does_not_know(monkeypatch):
 def test_run_compiled_takes_the_raw_launcher(monkeypatch):
     calls, raws = [], []
     compiled = _fake_compiled(dict(o="*fp32", n="i32", C="constexpr"), [], calls)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=5))
+    monkeypatch.setattr(common, "current_stream_handle", lambda: 5)
     monkeypatch.setattr(common, "raw_launcher", lambda c: lambda *a: raws.append(a))
     out = torch.zeros(2)
     common.run_compiled((compiled, (3,)), (4,), (out, 9))

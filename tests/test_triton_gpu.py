@@ -2035,6 +2035,17 @@ def test_gluon_forward_launcher(monkeypatch):
 
 
 @gpu
+def test_current_stream_handle():
+    """`common.current_stream_handle` (twenty-second session) is the current stream's handle, on a
+    side stream too, as `torch.cuda.current_stream().cuda_stream`."""
+    from streamkl.backends.triton import common
+
+    assert common.current_stream_handle() == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert common.current_stream_handle() == side.cuda_stream != torch.cuda.default_stream().cuda_stream
+
+
 def test_raw_launch_on_the_gpu(monkeypatch):
     """`common.RAW_LAUNCH` (twenty-first session; off, written without a GPU): the kept compiled
     kernels launched through `raw_launcher` (the launcher's C function, arguments expanded here) give

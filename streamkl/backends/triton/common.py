@@ -411,12 +411,21 @@ def raw_launcher(compiled):
     return raw
 
 
+def current_stream_handle() -> int:
+    """The current device's current CUDA stream as an integer handle: `torch.cuda.current_stream()
+    .cuda_stream` without building the Stream object (two C calls, as Triton's own launcher gets it)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:  # pragma: no cover - a torch without it
+        return torch.cuda.current_stream().cuda_stream
+    return raw(torch._C._cuda_getDevice())
+
+
 def run_compiled(entry, grid: tuple, args: tuple):
     """Launch `entry` = (a compiled kernel, its constexprs' values in parameter order) on the
     current stream through its own launcher (`direct_launch`'s second path; with `RAW_LAUNCH`,
     through `raw_launcher`'s)."""
     compiled, tail = entry
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = current_stream_handle()
     grid = (*grid, 1, 1)
     if RAW_LAUNCH:
         kept = _RAW.get(id(compiled))
