@@ -70,12 +70,34 @@ def make_fns(n, h, d, causal, sparsity):
     return ("streamkl", ours), ("sdpa", sdpa)
 
 
+def profile(fn, timer, calls: int):
+    """cProfile of `calls` calls, each after a flush and a synchronization (the synchronized
+    measure's host path; the launch wrapper's rows are the sync_gap's own)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        timer.flush.zero_()
+        torch.cuda.synchronize()
+        profiler.enable()
+        fn()
+        profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print("\n".join(line[:150] for line in text.getvalue().splitlines() if line.strip()), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", type=int, default=0,
+                        help="also print cProfile's top rows (by own time) of this many synchronized calls a case")
     args = parser.parse_args()
     n, h = args.n, args.heads
     for module in (common,):
@@ -111,6 +133,8 @@ def main():
             back_kernels = [b.elapsed_time(a) for b, a in MARKS]
             MARKS.clear()
             host = timer.host_ms(fn, args.repeats)
+            if args.profile and name == "streamkl":
+                profile(fn, timer, args.profile)
             med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
             row = dict(case=f"fwd D={d}{' causal' if causal else ''}{' 90%' if sparsity else ''}", provider=name,
                        sync_ms=med(syncs), back_ms=med(back), host_ms=med(host), gap_ms=med(gaps),

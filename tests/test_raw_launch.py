@@ -84,6 +84,16 @@ def test_raw_launcher_passes_what_triton_passes(layout, monkeypatch):
     raw((3, 2, 1), 77, args, tail)
     _same(theirs[0], ours[0])
     assert fills == their_fills and len(fills) == len(metas)
+    # the planned call's launcher: descriptors of fixed shapes filled from base pointers
+    fills.clear()
+    monkeypatch.setattr(common, "current_stream_handle", lambda: 77)
+    prefix = common.raw_prefix_launcher((compiled, tail), (3, 2), ((256, 256), (128, 128)))
+    if layout != "front":  # (descriptors not the leading arguments: declined)
+        assert prefix is None
+        return
+    prefix((x.data_ptr(), y.data_ptr()), args[2:])
+    _same(theirs[0], ours[1])
+    assert fills == their_fills
 
 
 def test_raw_launcher_declines_what_it_does_not_know(monkeypatch):

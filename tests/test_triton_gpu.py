@@ -2047,17 +2047,28 @@ def test_current_stream_handle():
 
 
 def test_raw_launch_on_the_gpu(monkeypatch):
-    """`common.RAW_LAUNCH` (twenty-first session; off, written without a GPU): the kept compiled
-    kernels launched through `raw_launcher` (the launcher's C function, arguments expanded here) give
-    bitwise the forward of Triton's own launch path and gradients matching the float64 reference:
-    the Gluon forward and student backward dense, packed and with block masks, forward.py's kernel
-    (D=96)."""
+    """`common.RAW_LAUNCH` (twenty-first session; passed on the H200 in the twenty-second, then on):
+    the kept compiled kernels launched through `raw_launcher` (the launcher's C function, arguments
+    expanded here) and the planned Gluon forward through `raw_prefix_launcher` give bitwise the
+    forward of Triton's own launch path and gradients matching the float64 reference: the Gluon
+    forward and student backward dense, packed and with block masks, forward.py's kernel (D=96)."""
     from streamkl.backends.triton import common
 
     _gluon()
-    made = []
+    made, prefixes, prefix_calls = [], [], []
     original = common.raw_launcher
     monkeypatch.setattr(common, "raw_launcher", lambda compiled: made.append(original(compiled)) or made[-1])
+    original_prefix = common.raw_prefix_launcher  # (the planned Gluon forward's: gluon_forward.launcher)
+
+    def prefix(*a):
+        launch = original_prefix(*a)
+        prefixes.append(launch)
+        return launch and (lambda *b: prefix_calls.append(1) or launch(*b))
+
+    monkeypatch.setattr(common, "raw_prefix_launcher", prefix)
+    from streamkl import plans
+
+    plans._PLANS.clear()  # (plans of earlier tests' calls hold launchers made without the wrapper)
     g = torch.Generator(device=DEVICE).manual_seed(3)
     pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.5
     pattern[..., 0] = True
@@ -2076,3 +2087,5 @@ def test_raw_launch_on_the_gpu(monkeypatch):
     monkeypatch.setattr(common, "RAW_LAUNCH", False)
     # (a kernel with global scratch, e.g. device-side descriptors, keeps Triton's path: None)
     assert any(raw is not None for raw in made), made
+    # the planned Gluon forwards (dense causal, D=64, packed, block masks) took the prefix launcher
+    assert len(prefixes) >= 4 and all(p is not None for p in prefixes) and len(prefix_calls) >= 4, prefixes

@@ -353,23 +353,22 @@ def compiled_entry(kernel, compiled, n_args: int, constexprs: dict):
 
 
 #: Launch kept compiled kernels through their launcher's C function with the arguments already
-#: expanded (`raw_launcher`), past Triton's Python wrapper: triton 3.6's `CudaLauncher.__call__` and
-#: `wrap_handle_tensordesc`, whose loop walks every argument and, per TMA descriptor, looks up its
-#: metadata and the driver before filling it. Twenty-first session: on an idle GPU the time from the
-#: event recorded just before `run_compiled` to the Gluon forward's end exceeded its back-to-back
-#: time by 0.03-0.05 ms (`benchmarks/sync_gap.py`), likely this launch path's host time. Written
-#: and its argument expansion checked against Triton's own on the CPU (tests/test_raw_launch.py);
-#: not yet run on a GPU: off.
-RAW_LAUNCH = False
+#: expanded (`raw_launcher`; a planned Gluon forward: `raw_prefix_launcher`, no descriptor objects),
+#: past Triton's Python wrapper: triton 3.6's `CudaLauncher.__call__` and `wrap_handle_tensordesc`,
+#: whose loop walks every argument and, per TMA descriptor, looks up its metadata and the driver
+#: before filling it. On an idle GPU that host time delays the kernel's start (`benchmarks/
+#: sync_gap.py`: 0.02-0.06 ms of the H200's host a launch). Checked against Triton's own expansion on
+#: the CPU (tests/test_raw_launch.py) and bitwise on the H200 (`test_raw_launch_on_the_gpu`,
+#: twenty-second session); False: Triton's launch path.
+RAW_LAUNCH = True
 
 _RAW: dict = {}  # id(compiled kernel) -> (the kernel, its raw launcher or None)
 
 
-def raw_launcher(compiled):
-    """A function (grid, stream, args, tail) launching `compiled` as `compiled.run` would, but
-    calling its launcher's C function directly with the expanded arguments; None where the launcher
-    is not triton 3.6's `CudaLauncher` as expected (then `compiled.run` serves): scratch memory,
-    descriptors lowered to pointers, fp4 padding, or another structure."""
+def _raw_parts(compiled):
+    """(the launcher's C function, the arguments before the kernel's, the TMA descriptors'
+    positions among the kernel's arguments, each one's fill parameters (swizzle, element size, TMA
+    dtype, box), the fill function) of `compiled`, or None (`raw_launcher` says where)."""
     try:
         from triton.backends.nvidia import driver as nvidia
     except Exception:  # pragma: no cover - triton without its NVIDIA backend
@@ -392,6 +391,18 @@ def raw_launcher(compiled):
              for m in metas]
     head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
             None, None, None)
+    return c_launch, head, positions, specs, fill
+
+
+def raw_launcher(compiled):
+    """A function (grid, stream, args, tail) launching `compiled` as `compiled.run` would, but
+    calling its launcher's C function directly with the expanded arguments; None where the launcher
+    is not triton 3.6's `CudaLauncher` as expected (then `compiled.run` serves): scratch memory,
+    descriptors lowered to pointers, fp4 padding, or another structure."""
+    parts = _raw_parts(compiled)
+    if parts is None:
+        return None
+    c_launch, head, positions, specs, fill = parts
     # the arguments between descriptors: (start, end) slices of the call's arguments
     spans = list(zip([0] + [p + 1 for p in positions], positions + [None]))
 
@@ -409,6 +420,32 @@ def raw_launcher(compiled):
         c_launch(*out)
 
     return raw
+
+
+def raw_prefix_launcher(entry, grid: tuple, widths: tuple):
+    """For a kept kernel (`run_compiled`'s entry) whose first runtime arguments are `fast_descriptor`
+    TMA descriptors of fixed shapes (`widths`: (rows, width) of each, contiguous): a function
+    (pointers, rest) launching it on `grid` with those descriptors filled from the base `pointers`
+    and `rest` the arguments after them, without descriptor objects (a planned call's launch,
+    `gluon_forward.launcher`); None where `raw_launcher` would decline or the descriptors are not
+    the leading arguments. Same arguments to the C function as `raw_launcher`'s."""
+    compiled, tail = entry
+    parts = _raw_parts(compiled)
+    if parts is None or parts[2] != list(range(len(widths))):
+        return None
+    c_launch, head, _, specs, fill = parts
+    grid = (*grid, 1, 1)[:3]
+    fixed = [(swizzle, size, dtype, block, [rows, width], [width, 1], rows, width, width, 1)
+             for (swizzle, size, dtype, block), (rows, width) in zip(specs, widths)]
+
+    def launch(pointers, rest):
+        out = [*grid, current_stream_handle(), *head]
+        for pointer, (swizzle, size, dtype, block, shape, strides, *expanded) in zip(pointers, fixed):
+            out.append(fill(pointer, swizzle, size, dtype, block, shape, strides, 0))
+            out += expanded
+        c_launch(*out, *rest, *tail)
+
+    return launch
 
 
 def current_stream_handle() -> int:
