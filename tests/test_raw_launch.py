@@ -116,6 +116,7 @@ def test_run_compiled_takes_the_raw_launcher(monkeypatch):
     monkeypatch.setattr(common, "current_stream_handle", lambda: 5)
     monkeypatch.setattr(common, "raw_launcher", lambda c: lambda *a: raws.append(a))
     out = torch.zeros(2)
+    monkeypatch.setattr(common, "RAW_LAUNCH", False)
     common.run_compiled((compiled, (3,)), (4,), (out, 9))
     assert len(calls) == 1 and not raws  # off: Triton's path
     monkeypatch.setattr(common, "RAW_LAUNCH", True)
