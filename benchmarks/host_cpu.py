@@ -67,7 +67,8 @@ def stub_gpu():
         if hasattr(module, "launch"):
             module.launch = lambda *args, **kwargs: None
     forward._multiprocessors = backward._multiprocessors = lambda index: 132
-    torch.cuda.current_device = lambda: 0
+    torch.cuda.current_device = common.current_device_index = lambda: 0
+    common.current_stream_handle = lambda: 0
     torch.cuda.current_stream = lambda *args: types.SimpleNamespace(cuda_stream=0)
     torch.cuda.is_current_stream_capturing = lambda: False
 

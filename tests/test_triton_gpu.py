@@ -2035,6 +2035,53 @@ def test_gluon_forward_launcher(monkeypatch):
 
 
 @gpu
+def test_planned_rows_launch(monkeypatch):
+    """A planned call that reads only the reduced KL (no grad, no lse returned, mean or sum) takes
+    the Gluon launcher's `rows` (twenty-second session: the four outputs as one allocation's rows,
+    passed as pointers, kl_rows viewed after the launch) and gives bitwise the full path's result
+    (plans off): dense, causal, D=64, block masks, and rows not 16-byte multiples (3 heads x 255
+    tokens: `launch`'s outputs instead); reduction none and return_lse keep `launch`."""
+    from streamkl import plans
+    from streamkl.backends.triton import gluon_forward
+
+    _gluon()
+    taken = []
+    original = gluon_forward.launcher
+
+    def counted(problem, kept):
+        launch = original(problem, kept)
+        if launch is not None:
+            rows = launch.rows
+            launch.rows = lambda *a: taken.append(1) or rows(*a)
+        return launch
+
+    monkeypatch.setattr(gluon_forward, "launcher", counted)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    pattern = torch.rand(1, 4, 3, 3, device=DEVICE, generator=g) < 0.5
+    pattern[..., 0] = True
+    block = BlockMask.from_dense(pattern, 128)
+    cases = [((1, 384), 128, 4, {}), ((1, 384), 128, 4, dict(causal=True)), ((2, 256), 64, 4, {}),
+             ((1, 384), 128, 4, dict(mask1=block, mask2=block)), ((1, 255), 128, 3, {})]
+    for lead, dim, heads, kwargs in cases:
+        x = make_inputs(lead, lead, heads, (heads, heads), (dim, dim), torch.bfloat16, DEVICE, (False,) * 4)
+        for reduction in ("mean", "sum"):
+            monkeypatch.setattr(plans, "ENABLED", False)
+            expected = streamkl.kl(*x, reduction=reduction, backend="triton", **kwargs)
+            monkeypatch.setattr(plans, "ENABLED", True)
+            taken.clear()
+            for _ in range(3):  # (the first makes the plan)
+                got = streamkl.kl(*x, reduction=reduction, backend="triton", **kwargs)
+                assert torch.equal(got, expected), (kwargs, reduction, got, expected)
+            assert len(taken) == 2, (kwargs, reduction, len(taken))
+        taken.clear()
+        rows_expected = streamkl.kl(*x, reduction="none", backend="triton", **kwargs)
+        for _ in range(3):
+            assert torch.equal(streamkl.kl(*x, reduction="none", backend="triton", **kwargs).nan_to_num(posinf=0),
+                               rows_expected.nan_to_num(posinf=0))
+            streamkl.kl(*x, return_lse=True, backend="triton", **kwargs)
+        assert not taken
+
+
 def test_current_stream_handle():
     """`common.current_stream_handle` (twenty-second session) is the current stream's handle, on a
     side stream too, as `torch.cuda.current_stream().cuda_stream`."""

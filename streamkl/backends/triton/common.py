@@ -448,6 +448,12 @@ def raw_prefix_launcher(entry, grid: tuple, widths: tuple):
     return launch
 
 
+def current_device_index() -> int:
+    """The current CUDA device's index: `torch.cuda.current_device()` without its lazy-init check
+    (callers have launched on it before)."""
+    return torch._C._cuda_getDevice()
+
+
 def current_stream_handle() -> int:
     """The current device's current CUDA stream as an integer handle: `torch.cuda.current_stream()
     .cuda_stream` without building the Stream object (two C calls, as Triton's own launcher gets it)."""

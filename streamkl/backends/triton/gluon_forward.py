@@ -54,6 +54,7 @@ in the Triton kernel.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -745,7 +746,13 @@ def launcher(problem: Problem, kept):
     the call's metadata), inputs on another device than the current one, a launch hook set."""
     from streamkl.backends import base
     from streamkl.backends.triton import common
-    from streamkl.backends.triton.common import fast_descriptor, launch_hooks_active, raw_prefix_launcher, run_compiled
+    from streamkl.backends.triton.common import (
+        current_device_index,
+        fast_descriptor,
+        launch_hooks_active,
+        raw_prefix_launcher,
+        run_compiled,
+    )
 
     _, switches, plan, entry = kept
     if entry is None or switches != (OVERLAP, EARLY_SIDE1, EARLY_SIDE1_LISTED):
@@ -765,12 +772,32 @@ def launcher(problem: Problem, kept):
             return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     raw = []  # [`raw_prefix_launcher`'s, or None], made at the first call with RAW_LAUNCH
+    # the launch plan's tensors' pointers as ints (the plan keeps them alive; an int skips the C
+    # launcher's data_ptr call and driver query an argument), None for kl_rows' placeholders
+    list_pointers = tuple(None if t is None else t.data_ptr() for t in tensors)
+    row_count = math.prod(row_shape)
+    # `rows`: the four outputs in one allocation, its rows 16-byte aligned as the kernel was
+    # specialized for (a new tensor's pointer is), viewed only after the launch
+    packed = not varlen and row_count % 4 == 0
+    row_bytes = 4 * row_count
+
+    def raw_launcher(q1, k1, q2, k2):
+        """`raw_prefix_launcher`'s for this plan (RAW_LAUNCH read each call: `common` is not a
+        watched module), made at the first call (the plan's inputs' shapes are its key's), or None."""
+        if not common.RAW_LAUNCH:
+            return None
+        if not raw:
+            raw.append(raw_prefix_launcher(entry, grid, tuple((t.numel() // width, width) for t, width in (
+                (q1, w1), (k1, w2), (q2, w3), (k2, w4)))))
+        return raw[0]
+
+    def ready(pointers) -> bool:
+        return not ((pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (
+            index is not None and current_device_index() != index) or launch_hooks_active())
 
     def launch(q1, k1, q2, k2):
         pointers = (q1.data_ptr(), k1.data_ptr(), q2.data_ptr(), k2.data_ptr())
-        if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15:
-            return None
-        if (index is not None and torch.cuda.current_device() != index) or launch_hooks_active():
+        if not ready(pointers):
             return None
         kl_rows = empty(row_shape, dtype=float32, device=device)
         # lse1 and lse2 as one allocation's rows (~5 us of the H200's host an allocation; eager calls
@@ -780,14 +807,12 @@ def launcher(problem: Problem, kept):
         expect = empty(lse_shape, dtype=float32, device=device)
         if varlen:
             write_tail_rows(problem, kl_rows, lse1, lse2, expect)
+        direct = raw_launcher(q1, k1, q2, k2)
+        if direct is not None:
+            direct(pointers, (kl_rows, lse1, lse2, expect, *(kl_rows if p is None else p for p in list_pointers),
+                              *scalars))
+            return kl_rows, lse1, lse2, expect
         lists = tuple(kl_rows if t is None else t for t in tensors) if placeholders else tensors
-        if common.RAW_LAUNCH:  # (read each call: `common` is not a watched module)
-            if not raw:  # (the plan's inputs' shapes are its key's)
-                raw.append(raw_prefix_launcher(entry, grid, tuple((t.numel() // width, width) for t, width in (
-                    (q1, w1), (k1, w2), (q2, w3), (k2, w4)))))
-            if raw[0] is not None:
-                raw[0](pointers, (kl_rows, lse1, lse2, expect, *lists, *scalars))
-                return kl_rows, lse1, lse2, expect
         desc = TensorDescriptor
         run_compiled(entry, grid, (
             fast_descriptor(desc, q1, w1, box1, lay1), fast_descriptor(desc, k1, w2, box2, lay2),
@@ -795,6 +820,26 @@ def launcher(problem: Problem, kept):
             kl_rows, lse1, lse2, expect, *lists, *scalars))
         return kl_rows, lse1, lse2, expect
 
+    def rows(q1, k1, q2, k2):
+        """kl_rows alone, for a call whose statistics nobody reads (`plans.CallPlan.rows`: no grad,
+        no return_lse, a reduced result): the outputs (kl_rows, lse1, lse2, E) as the rows of one
+        allocation passed to the kernel as pointers, kl_rows viewed after the launch, so the host's
+        time before the kernel starts is one allocation (on an idle GPU that time is the call's)."""
+        direct = raw_launcher(q1, k1, q2, k2) if packed else None
+        if direct is None:
+            outputs = launch(q1, k1, q2, k2)
+            return None if outputs is None else outputs[0]
+        pointers = (q1.data_ptr(), k1.data_ptr(), q2.data_ptr(), k2.data_ptr())
+        if not ready(pointers):
+            return None
+        out = empty((4, *row_shape), dtype=float32, device=device)
+        base_pointer = out.data_ptr()
+        direct(pointers, (base_pointer, base_pointer + row_bytes, base_pointer + 2 * row_bytes,
+                          base_pointer + 3 * row_bytes, *(base_pointer if p is None else p for p in list_pointers),
+                          *scalars))
+        return out[0]
+
+    launch.rows = rows
     return launch
 
 
