@@ -112,11 +112,11 @@ class CallPlan:
         self.count = structural_row_count(problem) if reduction == "mean" else None  # None: per call (mean_count)
         if self.count is not None:
             self.count = max(self.count, 1)
-        # a launcher's `rows` (kl_rows alone) where nothing else of the forward is read: no grad, no
-        # statistics returned, a reduced result (not the rows themselves, which may view a larger
-        # allocation) whose mean needs no per-call count
+        # a launcher's `rows` (kl_rows, and lse1 for a per-call count) where nothing else of the
+        # forward is read: no grad, no statistics returned, a reduced result (not the rows
+        # themselves, which may view a larger allocation)
         self.rows = None
-        if not grad and not return_lse and (reduction == "sum" or (reduction == "mean" and self.count is not None)):
+        if not grad and not return_lse and reduction in ("sum", "mean"):
             self.rows = getattr(launch, "rows", None)
 
     def run(self, q1, k1, q2, k2):
@@ -124,10 +124,10 @@ class CallPlan:
         from streamkl.autograd import _EagerKL, reduce_rows
 
         if self.rows is not None:
-            kl_rows = self.rows(q1, k1, q2, k2)
-            if kl_rows is None:
+            outputs = self.rows(q1, k1, q2, k2, self.reduction == "mean" and self.count is None)
+            if outputs is None:
                 return None
-            return reduce_rows(kl_rows, None, self.reduction, self.problem, self.count, self.schedule)
+            return reduce_rows(outputs[0], outputs[1], self.reduction, self.problem, self.count, self.schedule)
         if self.grad:
             out, lse1, lse2, _ = _EagerKL.apply(q1, k1, q2, k2, self.problem, self.impl, self.reduction, self)
         else:

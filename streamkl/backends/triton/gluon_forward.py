@@ -820,15 +820,16 @@ def launcher(problem: Problem, kept):
             kl_rows, lse1, lse2, expect, *lists, *scalars))
         return kl_rows, lse1, lse2, expect
 
-    def rows(q1, k1, q2, k2):
-        """kl_rows alone, for a call whose statistics nobody reads (`plans.CallPlan.rows`: no grad,
-        no return_lse, a reduced result): the outputs (kl_rows, lse1, lse2, E) as the rows of one
-        allocation passed to the kernel as pointers, kl_rows viewed after the launch, so the host's
-        time before the kernel starts is one allocation (on an idle GPU that time is the call's)."""
+    def rows(q1, k1, q2, k2, lse: bool):
+        """(kl_rows, lse1 where `lse` else None), for a call that reads nothing else of the forward
+        (`plans.CallPlan.rows`: no grad, no return_lse, a reduced result; lse1 for a mean's count
+        of rows with side-1 support): the outputs (kl_rows, lse1, lse2, E) as the rows of one
+        allocation passed to the kernel as pointers, viewed after the launch, so the host's time
+        before the kernel starts is one allocation (on an idle GPU that time is the call's)."""
         direct = raw_launcher(q1, k1, q2, k2) if packed else None
         if direct is None:
             outputs = launch(q1, k1, q2, k2)
-            return None if outputs is None else outputs[0]
+            return None if outputs is None else outputs[:2]
         pointers = (q1.data_ptr(), k1.data_ptr(), q2.data_ptr(), k2.data_ptr())
         if not ready(pointers):
             return None
@@ -837,7 +838,7 @@ def launcher(problem: Problem, kept):
         direct(pointers, (base_pointer, base_pointer + row_bytes, base_pointer + 2 * row_bytes,
                           base_pointer + 3 * row_bytes, *(base_pointer if p is None else p for p in list_pointers),
                           *scalars))
-        return out[0]
+        return out[0], out[1].view(lse_shape) if lse else None
 
     launch.rows = rows
     return launch
