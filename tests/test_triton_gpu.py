@@ -2082,6 +2082,7 @@ def test_planned_rows_launch(monkeypatch):
         assert not taken
 
 
+@gpu
 def test_current_stream_handle():
     """`common.current_stream_handle` (twenty-second session) is the current stream's handle, on a
     side stream too, as `torch.cuda.current_stream().cuda_stream`."""
@@ -2093,6 +2094,7 @@ def test_current_stream_handle():
         assert common.current_stream_handle() == side.cuda_stream != torch.cuda.default_stream().cuda_stream
 
 
+@gpu
 def test_raw_launch_on_the_gpu(monkeypatch):
     """`common.RAW_LAUNCH` (twenty-first session; passed on the H200 in the twenty-second, then on):
     the kept compiled kernels launched through `raw_launcher` (the launcher's C function, arguments
