@@ -108,6 +108,12 @@ def test_raw_launcher_declines_what_it_does_not_know(monkeypatch):
     lowered = _fake_compiled(signature, None, calls)  # descriptors passed as pointers
     assert common.raw_launcher(lowered) is None
     assert common.raw_launcher(types.SimpleNamespace(run=lambda *a: None)) is None
+    # another triton's launcher may take other arguments: Triton's own path
+    plain = _fake_compiled(dict(o="*fp32", C="constexpr"), [], calls)
+    assert common.raw_launcher(plain) is not None
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    assert common.raw_launcher(plain) is None
+    assert common.raw_prefix_launcher((plain, ()), (1,), ()) is None
 
 
 def test_run_compiled_takes_the_raw_launcher(monkeypatch):

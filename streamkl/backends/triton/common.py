@@ -369,6 +369,8 @@ def _raw_parts(compiled):
     """(the launcher's C function, the arguments before the kernel's, the TMA descriptors'
     positions among the kernel's arguments, each one's fill parameters (swizzle, element size, TMA
     dtype, box), the fill function) of `compiled`, or None (`raw_launcher` says where)."""
+    if not triton.__version__.startswith("3.6."):  # the launcher's C signature this was checked against
+        return None
     try:
         from triton.backends.nvidia import driver as nvidia
     except Exception:  # pragma: no cover - triton without its NVIDIA backend
