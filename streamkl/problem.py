@@ -1,17 +1,20 @@
 """The description of one KL problem: shapes, scales, masks, varlen metadata.
 
 All argument validation of `streamkl.kl` lives here, once. Checks read only metadata (shapes,
-dtypes, devices, strides); the few checks that read tensor values (`cu_seqlens` contents) live in
-`check_cu_seqlens_values` and are skipped when the caller vouches for them (under torch.compile).
+dtypes, devices, strides); the few checks that read tensor values (`cu_seqlens` contents) are
+skipped when the caller cannot read values (under torch.compile or a CUDA-graph capture).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass
 
 import torch
+
+from streamkl._cache import LRUCache
+from streamkl._constants import MAX_INT32
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("none", "sum", "mean")
@@ -27,9 +30,15 @@ class SideMask:
     block_k: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Problem:
-    """Everything a backend needs to know about the call, apart from the tensors themselves."""
+    """Everything a backend needs to know about the call, apart from the tensors themselves.
+
+    `key` is a hashable tuple of plain values that identifies the problem: every structural field,
+    the dtype and device, and `(id, _version)` of the cu_seqlens and mask pattern tensors (the
+    Problem holds them, so their ids are not reused while it lives). Backends key their own caches
+    by it.
+    """
 
     batch: int  # B for dense inputs, the number of sequences S for varlen
     seqlen_q: int  # Nq, or max_seqlen for varlen
@@ -54,7 +63,13 @@ class Problem:
     mask2: SideMask | None = None
     needs_grad: tuple[bool, bool, bool, bool] = (False, False, False, False)
     deterministic: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
+    #: cu_seqlens[-1] when the front end read it on the host (varlen rows from here on belong to no
+    #: sequence: `backends.base.write_tail_rows`); None: not known on the host.
+    tail_start_q: int | None = None
+    #: CPU int64 copies of cu_seqlens_q / cu_seqlens_k when known on the host (no device read).
+    host_cu_seqlens_q: torch.Tensor | None = None
+    host_cu_seqlens_k: torch.Tensor | None = None
+    key: tuple = ()
 
     @property
     def has_structural_mask(self) -> bool:
@@ -102,8 +117,16 @@ def check_output_options(reduction: object, return_lse: object) -> None:
     """The arguments that shape the output rather than the problem."""
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         _fail("reduction", f"one of {REDUCTIONS}", repr(reduction))
-    if not isinstance(return_lse, bool):
-        _fail("return_lse", "a bool", type(return_lse).__name__, TypeError)
+    _check_bool("return_lse", return_lse)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    """A Python bool or a numpy bool (`np.bool_`), as a Python bool."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    _fail(name, "a bool", f"{type(value).__module__}.{type(value).__name__}", TypeError)
 
 
 def _check_tensor(name: str, t: object, ndim: int, layout: str, dtypes=FLOAT_DTYPES) -> torch.Tensor:
@@ -111,6 +134,8 @@ def _check_tensor(name: str, t: object, ndim: int, layout: str, dtypes=FLOAT_DTY
         _fail(name, f"a torch.Tensor of shape {layout}", type(t).__name__, TypeError)
     if t.layout != torch.strided or t.is_nested:
         _fail(name, "a dense strided tensor (not sparse or nested)", f"layout {t.layout}", TypeError)
+    if t.device.type == "meta":
+        _fail(name, "a tensor with data (on a CPU or GPU device; meta tensors have none)", "a meta tensor")
     if t.dtype not in dtypes:
         _fail(name, "float16, bfloat16 or float32", t.dtype, TypeError)
     shape = t.shape
@@ -131,12 +156,15 @@ def _check_tensor(name: str, t: object, ndim: int, layout: str, dtypes=FLOAT_DTY
 def _check_scale(name: str, scale: object, dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         _fail(name, "a Python float or None", type(scale).__name__, TypeError)
-    scale = float(scale)
-    if not math.isfinite(scale):
-        _fail(name, "finite", scale)
-    return scale
+    try:
+        value = float(scale)
+    except OverflowError:  # an int beyond float range
+        value = math.inf
+    if not math.isfinite(value):
+        _fail(name, "finite", scale if isinstance(scale, float) else f"an int of {int(scale).bit_length()} bits")
+    return value
 
 
 def _check_window(window: object) -> tuple[int, int]:
@@ -149,6 +177,8 @@ def _check_window(window: object) -> tuple[int, int]:
     left, right = int(window[0]), int(window[1])
     if left < -1 or right < -1:
         _fail("window", "(left, right) with each >= 0, or -1 for unbounded", (left, right))
+    if left > MAX_INT32 or right > MAX_INT32:
+        _fail("window", "(left, right) with each at most 2**31 - 1 (use -1 for unbounded)", (left, right))
     return left, right
 
 
@@ -174,7 +204,7 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int) -> int:
     return _check_cu_seqlens_host(name, host_values(cu), total)
 
 
-_HOST_VALUES: OrderedDict = OrderedDict()
+_HOST_VALUES = LRUCache(32)
 
 
 def _host_key(cu: torch.Tensor) -> tuple:
@@ -183,24 +213,21 @@ def _host_key(cu: torch.Tensor) -> tuple:
 
 def host_values(cu: torch.Tensor) -> torch.Tensor:
     """cu_seqlens as a CPU int64 tensor, cached per table (id, version, address; the cache keeps the
-    table alive, 32 entries): a training loop that passes the same table again pays no device copy
-    and sync. A table changed in place through torch moves its version and is read again."""
+    table alive): a training loop that passes the same table again pays no device copy and sync. A
+    table changed in place through torch moves its version and is read again."""
     key = _host_key(cu)
     hit = _HOST_VALUES.get(key)
     if hit is not None:
-        _HOST_VALUES.move_to_end(key)
         return hit[0]
     values = cu.detach().to("cpu", torch.int64)
-    _HOST_VALUES[key] = (values, cu)
-    while len(_HOST_VALUES) > 32:
-        _HOST_VALUES.popitem(last=False)
+    _HOST_VALUES.put(key, (values, cu))
     return values
 
 
 def known_host_values(cu: torch.Tensor) -> torch.Tensor | None:
     """The cached host copy of a table seen (and checked) before, or None: no device read. Used where
     values may not be read (CUDA-graph capture), so a captured step and its eager twin take the same
-    arithmetic (the mean's structural row count); never while compiling (fake tensors)."""
+    arithmetic; never while compiling (fake tensors)."""
     if torch.compiler.is_compiling():
         return None
     hit = _HOST_VALUES.get(_host_key(cu))
@@ -240,7 +267,8 @@ def _check_max_seqlen(name: str, value: object) -> int:
     return int(value)
 
 
-def _side_mask(name: str, mask: object, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device, varlen: bool):
+def _side_mask(name: str, mask: object, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device, varlen: bool,
+               causal: bool, window: tuple[int, int]) -> SideMask | None:
     if mask is None:
         return None
     from streamkl.sparse.block_mask import BlockMask
@@ -260,6 +288,8 @@ def _side_mask(name: str, mask: object, batch: int, heads: int, seqlen_q: int, s
             + (" (max_seqlen x max_seqlen_k; blocks count from each sequence's start)" if varlen else ""),
             f"shape {(mb, mh, nbq, nbk)}",
         )
+    if mask.element_window is not None:
+        _check_element_window(name, mask, seqlen_q, seqlen_k, causal, window)
     try:  # a mask built from compressed parts is checked when first expanded
         pattern = mask.to_dense()
     except ValueError as error:
@@ -267,17 +297,50 @@ def _side_mask(name: str, mask: object, batch: int, heads: int, seqlen_q: int, s
     return SideMask(pattern=pattern, block_q=bq, block_k=bk)
 
 
-_PROBLEMS: OrderedDict = OrderedDict()
+def fold_causal(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+    """The (left, right) window that `causal` and `window` together allow (-1: unbounded)."""
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _check_element_window(name, mask, seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int]) -> None:
+    """A mask from a FlexAttention mask_mod that masks elements (causal, a window) needs the call to
+    apply that element mask: streamkl applies element masks only through `causal` and `window`."""
+    left, right = mask.element_window
+    if mask.element_seqlens != (seqlen_q, seqlen_k):
+        _fail(name, f"used with the lengths its FlexAttention mask_mod was read for {mask.element_seqlens}",
+              (seqlen_q, seqlen_k))
+    if fold_causal(causal, window) != (left, right):
+        if left == -1 and right == 0:
+            what = "causal=True (and window=(-1, -1))"
+        else:
+            what = f"window=({left}, {right}) (and causal=False)"
+        _fail(name, f"used with the element mask of its FlexAttention mask_mod: pass {what}",
+              f"causal={causal}, window={window}")
+
+
+_PROBLEMS = LRUCache(32)
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _OPTION_TYPES = (type(None), bool, int, float)
+
+
+def _state(t) -> tuple | None:
+    """(id, version) of a tensor, or of the tensors a BlockMask's pattern comes from."""
+    if t is None:
+        return None
+    if t.__class__ in _TENSOR_TYPES:
+        return id(t), t._version
+    return id(t), t._source_state()
 
 
 def _call_key(tensors, options: tuple, objects: tuple):
     """The memo key of a call (`build_problem`), or None where one is not taken: every input's
     metadata that validation reads (type, shape, strides, dtype, device, requires_grad), the
     options (the window a tuple of two ints, the others None, bools, ints or floats) with their
-    types (True is not 1), and the tensors / masks passed by identity (the memo keeps them alive,
-    so their ids are not reused) with the cu_seqlens' versions."""
+    types (True is not 1), and the cu_seqlens and masks by identity and version (the memo keeps
+    them alive, so their ids are not reused; a tensor changed in place moves its version)."""
     parts = []
     for t in tensors:
         if t.__class__ not in _TENSOR_TYPES:
@@ -291,37 +354,39 @@ def _call_key(tensors, options: tuple, objects: tuple):
         return None  # (a list, or not ints: validated each time)
     if any(o.__class__ not in _OPTION_TYPES for o in rest):
         return None
-    ids = tuple((id(o), o._version if o.__class__ in _TENSOR_TYPES else None) for o in objects)
-    return tuple(parts), window, tuple((o.__class__, o) for o in rest), ids
+    from streamkl.sparse.block_mask import BlockMask
+
+    if any(o is not None and o.__class__ not in _TENSOR_TYPES and o.__class__ is not BlockMask for o in objects):
+        return None
+    return tuple(parts), window, tuple((o.__class__, o) for o in rest), tuple(_state(o) for o in objects)
 
 
 def build_problem(
-    q1,
-    k1,
-    q2,
-    k2,
+    q1: torch.Tensor,
+    k1: torch.Tensor,
+    q2: torch.Tensor,
+    k2: torch.Tensor,
     *,
-    scale1=None,
-    scale2=None,
-    causal=False,
-    window=(-1, -1),
-    cu_seqlens=None,
-    cu_seqlens_k=None,
-    max_seqlen=None,
-    max_seqlen_k=None,
+    scale1: float | None = None,
+    scale2: float | None = None,
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    max_seqlen_k: int | None = None,
     mask1=None,
     mask2=None,
-    deterministic=False,
-    check_values=True,
-    allow_float64=False,
+    deterministic: bool = False,
+    check_values: bool = True,
+    allow_float64: bool = False,
 ) -> Problem:
     """Validate every argument of `streamkl.kl` and describe the call. Reads no tensor data
     except `cu_seqlens` contents when `check_values` (and `max_seqlen*` when omitted).
 
     A call whose every input has the metadata of a call validated before, with the same options
-    and the same cu_seqlens (unchanged: same version) and masks, takes that call's Problem (the
-    validation reads nothing else; 32 calls remembered): ~10 of the front end's ~70 us a call on
-    a CPU host. Never while compiling (fake tensors)."""
+    and the same cu_seqlens and masks (same objects, unchanged: same versions), takes that call's
+    Problem (the validation reads nothing else). Never while compiling (fake tensors)."""
     key = None
     objects = (cu_seqlens, cu_seqlens_k, mask1, mask2)
     if not torch.compiler.is_compiling():
@@ -329,15 +394,12 @@ def build_problem(
                    allow_float64)
         key = _call_key((q1, k1, q2, k2), options, objects)
         hit = None if key is None else _PROBLEMS.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[1], objects)):
-            _PROBLEMS.move_to_end(key)
+        if hit is not None:
             return hit[0]
     problem = _build_problem(q1, k1, q2, k2, scale1, scale2, causal, window, cu_seqlens, cu_seqlens_k, max_seqlen,
                              max_seqlen_k, mask1, mask2, deterministic, check_values, allow_float64)
     if key is not None:
-        _PROBLEMS[key] = (problem, objects)
-        while len(_PROBLEMS) > 32:
-            _PROBLEMS.popitem(last=False)
+        _PROBLEMS.put(key, (problem, objects))  # (objects kept alive: their ids stay theirs)
     return problem
 
 
@@ -357,10 +419,8 @@ def _build_problem(q1, k1, q2, k2, scale1, scale2, causal, window, cu_seqlens, c
             _fail(n, f"the same dtype as q1 ({dtype})", t.dtype, TypeError)
         if t.device != device:
             _fail(n, f"on the same device as q1 ({device})", t.device)
-    if not isinstance(causal, bool):
-        _fail("causal", "a bool", type(causal).__name__, TypeError)
-    if not isinstance(deterministic, bool):
-        _fail("deterministic", "a bool", type(deterministic).__name__, TypeError)
+    causal = _check_bool("causal", causal)
+    deterministic = _check_bool("deterministic", deterministic)
     window = _check_window(window)
 
     lead = 1 if is_varlen else 2  # leading (batch, length) dims, then heads, dim
@@ -381,14 +441,14 @@ def _build_problem(q1, k1, q2, k2, scale1, scale2, causal, window, cu_seqlens, c
     if not is_varlen and k1.shape[0] != q1.shape[0]:
         _fail("k1", f"the same batch size as q1 ({q1.shape[0]})", k1.shape[0])
     heads = q1.shape[-2]
+    if heads < 1:
+        _fail("q1", "at least one head", heads)
     for name, q, k in (("k1", q1, k1), ("k2", q2, k2)):
         if k.shape[-1] != q.shape[-1]:
             _fail(name, f"of head dim {q.shape[-1]}, the head dim of q{name[1]}", k.shape[-1])
         hk = k.shape[-2]
         if hk < 1 or heads % hk != 0:
             _fail(name, f"a number of key heads dividing the {heads} query heads (GQA)", hk)
-    if heads < 1:
-        _fail("q1", "at least one head", heads)
     dim1, dim2 = q1.shape[-1], q2.shape[-1]
     scale1 = _check_scale("scale1", scale1, dim1)
     scale2 = _check_scale("scale2", scale2, dim2)
@@ -402,6 +462,14 @@ def _build_problem(q1, k1, q2, k2, scale1, scale2, causal, window, cu_seqlens, c
         # type checks first: a bad max_seqlen must not cost a host sync
         given_q = None if max_seqlen is None else _check_max_seqlen("max_seqlen", max_seqlen)
         given_k = None if max_seqlen_k is None else _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        # no sequence is longer than the packed length: a larger bound only inflates the tile grid
+        if given_q is not None and given_q > total_q:
+            _fail("max_seqlen", f"at most the packed length T = {total_q} of q1 (no sequence is longer)", given_q)
+        if given_k is not None and given_k > total_k:
+            _fail("max_seqlen_k", f"at most the packed length Tk = {total_k} of k1", given_k)
+        if given_k is None and cu_seqlens_k is None and given_q is not None and given_q > total_k:
+            _fail("max_seqlen", f"at most the packed key length Tk = {total_k} (cu_seqlens also delimits the "
+                  "keys)", given_q)
         longest_q = longest_k = tail_start = None
         values_q = values_k = None
         if not check_values:  # no device read; a table checked before is still known on the host
@@ -441,16 +509,14 @@ def _build_problem(q1, k1, q2, k2, scale1, scale2, causal, window, cu_seqlens, c
         total_q = total_k = 0
         cu_q = cu_k = tail_start = values_q = values_k = None
 
-    side1 = _side_mask("mask1", mask1, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
-    side2 = _side_mask("mask2", mask2, batch, heads, seqlen_q, seqlen_k, device, is_varlen)
-    problem = describe_problem(
-        q1, k1, q2, k2, scale1, scale2, causal, window, cu_q, cu_k, seqlen_q, seqlen_k, side1, side2, deterministic
+    side1 = _side_mask("mask1", mask1, batch, heads, seqlen_q, seqlen_k, device, is_varlen, causal, window)
+    side2 = _side_mask("mask2", mask2, batch, heads, seqlen_q, seqlen_k, device, is_varlen, causal, window)
+    if values_q is None or values_k is None:
+        values_q = values_k = None
+    return describe_problem(
+        q1, k1, q2, k2, scale1, scale2, causal, window, cu_q, cu_k, seqlen_q, seqlen_k, side1, side2, deterministic,
+        tail_start, values_q, values_k,
     )
-    if tail_start is not None:  # known on the host from the value checks: see backends/base.write_tail_rows
-        problem.extra["tail_start_q"] = tail_start
-    if values_q is not None and values_k is not None:  # CPU copies, for structural_row_count
-        problem.extra["host_cu"] = (values_q, values_k)
-    return problem
 
 
 def structural_row_count(problem: Problem) -> int | None:
@@ -465,16 +531,14 @@ def structural_row_count(problem: Problem) -> int | None:
     if problem.mask1 is not None:
         return None
     if problem.is_varlen:
-        host = problem.extra.get("host_cu")
-        if host is None:
+        if problem.host_cu_seqlens_q is None or problem.host_cu_seqlens_k is None:
             return None
-        starts_q, starts_k = host[0].tolist(), host[1].tolist()  # CPU copies: no device read
+        starts_q = problem.host_cu_seqlens_q.tolist()  # CPU copies: no device read
+        starts_k = problem.host_cu_seqlens_k.tolist()
         lengths = [(b - a, d - c) for a, b, c, d in zip(starts_q, starts_q[1:], starts_k, starts_k[1:])]
     else:
         lengths = [(problem.seqlen_q, problem.seqlen_k)] * problem.batch
-    left, right = problem.window
-    if problem.causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = fold_causal(problem.causal, problem.window)
     rows = 0
     for len_q, len_k in lengths:
         if len_k <= 0:
@@ -502,6 +566,9 @@ def describe_problem(
     mask1: SideMask | None,
     mask2: SideMask | None,
     deterministic: bool,
+    tail_start_q: int | None = None,
+    host_cu_q: torch.Tensor | None = None,
+    host_cu_k: torch.Tensor | None = None,
 ) -> Problem:
     """The `Problem` of arguments already checked by `build_problem`: no validation, no host sync.
 
@@ -515,21 +582,29 @@ def describe_problem(
     else:
         batch, seqlen_q, seqlen_k = q1_shape[0], q1_shape[1], k1_shape[1]
         total_q = total_k = 0
+    heads, heads_k1, heads_k2, dim1, dim2 = q1_shape[-2], k1_shape[-2], k2.shape[-2], q1_shape[-1], q2.shape[-1]
+    needs_grad = (q1.requires_grad, k1.requires_grad, q2.requires_grad, k2.requires_grad)
+    dtype, device = q1.dtype, q1.device
+    key = (batch, seqlen_q, seqlen_k, heads, heads_k1, heads_k2, dim1, dim2, scale1, scale2, causal, window, dtype,
+           device, is_varlen, total_q, total_k, needs_grad, deterministic, tail_start_q,
+           None if cu_q is None else (id(cu_q), cu_q._version), None if cu_k is None else (id(cu_k), cu_k._version),
+           None if mask1 is None else (id(mask1.pattern), mask1.pattern._version, mask1.block_q, mask1.block_k),
+           None if mask2 is None else (id(mask2.pattern), mask2.pattern._version, mask2.block_q, mask2.block_k))
     return Problem(
         batch=batch,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
-        heads=q1_shape[-2],
-        heads_k1=k1_shape[-2],
-        heads_k2=k2.shape[-2],
-        dim1=q1_shape[-1],
-        dim2=q2.shape[-1],
+        heads=heads,
+        heads_k1=heads_k1,
+        heads_k2=heads_k2,
+        dim1=dim1,
+        dim2=dim2,
         scale1=scale1,
         scale2=scale2,
         causal=causal,
         window=window,
-        dtype=q1.dtype,
-        device=q1.device,
+        dtype=dtype,
+        device=device,
         is_varlen=is_varlen,
         total_q=total_q,
         total_k=total_k,
@@ -537,6 +612,10 @@ def describe_problem(
         cu_seqlens_k=cu_k,
         mask1=mask1,
         mask2=mask2,
-        needs_grad=(q1.requires_grad, k1.requires_grad, q2.requires_grad, k2.requires_grad),
+        needs_grad=needs_grad,
         deterministic=deterministic,
+        tail_start_q=tail_start_q,
+        host_cu_seqlens_q=host_cu_q,
+        host_cu_seqlens_k=host_cu_k,
+        key=key,
     )

@@ -49,25 +49,6 @@ class Backend:
     def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
         raise NotImplementedError
 
-    def forward_launcher(self, problem: Problem, schedule: TileSchedule):
-        """After `forward` served `problem` over `schedule`: a function (q1, k1, q2, k2) -> the
-        forward's outputs for inputs of that call's metadata, which may return None for a call it
-        cannot serve (the front end then takes its full path); or None, no launcher. A backend
-        gives one that skips its per-call decisions (plans.py; eager calls only); this one calls
-        `forward` with the problem and schedule (what the front end would have, from its memos)."""
-
-        def launch(q1, k1, q2, k2):
-            return self.forward(problem, q1, k1, q2, k2, schedule)
-
-        return launch
-
-    def backward_launcher(self, problem: Problem, schedule: TileSchedule, needs: tuple):
-        """After `backward` served `problem` over `schedule` for these `needs` (in a planned call): a
-        function (q1, k1, q2, k2, lse1, lse2, expect, grad_rows) -> `backward`'s gradients for a call
-        of the same metadata, grad_rows as the front end gives them (empty rows not zeroed), which may
-        return None for a call it cannot serve; or None (this one: the front end runs `backward`)."""
-        return None
-
 
 def empty_rows_to_zero(grad_rows: torch.Tensor, lse1: torch.Tensor, varlen: bool) -> torch.Tensor:
     """grad_rows (float32, [B, N, H] or [T, H]) with the rows whose side-1 support is empty
@@ -118,7 +99,7 @@ def write_tail_rows(problem: Problem, kl_rows, lse1, lse2, expect) -> None:
     """Varlen rows past cu_seqlens[-1] belong to no sequence: KL 0, lse -inf, E 0. No host sync."""
     if not problem.is_varlen or problem.total_q == 0:
         return
-    start = problem.extra.get("tail_start_q")
+    start = problem.tail_start_q
     if start is not None:  # cu_seqlens[-1], read on the host by the front end's value checks
         if start < problem.total_q:
             kl_rows[start:].fill_(0.0)
@@ -134,15 +115,20 @@ def write_tail_rows(problem: Problem, kl_rows, lse1, lse2, expect) -> None:
     expect.masked_fill_(tail[None, :], 0.0)
 
 
-def finalize_rows(m1, l1, m2, l2, acc, uncovered, empty1):
+def finalize_rows(m1, l1, m2, l2, acc, uncovered, empty1, empty2=None):
     """From the five running statistics (natural-log units) to (KL, lse1, lse2, E), with the SPEC's
     edge rules: the torch backend's rows and the Triton split-K merge.
 
-    `uncovered` and `empty1` come from the structure (masks, causality, window, lengths): a row
-    whose allowed scores are all -inf by value on either side (an infinite input) has l == 0
-    without being empty, and reads NaN (softmax of all -inf), its E too."""
+    `uncovered`, `empty1` (and `empty2`, where known) come from the structure (masks, causality,
+    window, lengths). A row whose allowed scores on a side are all -inf by value (an infinite input)
+    has l == 0 without being empty: its lse, KL and E read NaN, as softmax does. Without `empty2`,
+    side 2 is known non-empty where side 1 is non-empty and covered (side 2 allows all its keys)."""
+    if empty2 is None:
+        empty2 = empty1 | uncovered
     lse1 = m1 + torch.log(l1)  # -inf on empty rows
     lse2 = m2 + torch.log(l2)
+    lse1 = torch.where(~empty1 & (l1 == 0), float("nan"), lse1)
+    lse2 = torch.where(~empty2 & (l2 == 0), float("nan"), lse2)
     expect = torch.where(empty1, 0.0, acc / torch.where(empty1, 1.0, l1))
     # KL = E - lse1 + lse2, with the large terms cancelled first: m2 - m1 and log(l2 / l1)
     kl = expect - (m1 - m2) - torch.log(l1) + torch.log(l2)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from streamkl._constants import NEG_INF
 from streamkl.backends.base import (
     Backend,
     finalize_rows,
@@ -24,8 +25,6 @@ from streamkl.backends.base import (
 )
 from streamkl.problem import Problem, SideMask
 from streamkl.sparse.schedule import TileSchedule
-
-NEG_INF = float("-inf")
 
 
 def element_allowed(problem: Problem, mask: SideMask | None, seq: int, rows, cols, len_q: int, len_k: int):
@@ -228,6 +227,7 @@ class TorchChunkedBackend(Backend):
             acc = torch.zeros(shape, device=device)
             uncovered = torch.zeros(shape, dtype=torch.bool, device=device)
             seen1 = torch.zeros(shape, dtype=torch.bool, device=device)  # any side-1 key allowed
+            seen2 = torch.zeros(shape, dtype=torch.bool, device=device)
             for chunk in chunks:
                 s1 = sides.scores(0, sides.keys(0, chunk.cols))
                 s2 = sides.scores(1, sides.keys(1, chunk.cols))
@@ -237,9 +237,11 @@ class TorchChunkedBackend(Backend):
                     s2 = s2.masked_fill(~allowed2, NEG_INF)
                     uncovered |= (allowed1 & ~allowed2).any(-1)
                     seen1 |= allowed1.any(-1)
+                    seen2 |= allowed2.any(-1)
                     diff = torch.where(allowed1 & allowed2, s1 - s2, 0.0)
                 else:
                     seen1.fill_(True)
+                    seen2.fill_(True)
                     diff = s1 - s2
                 m1_new = torch.maximum(m1, s1.amax(-1))
                 m2_new = torch.maximum(m2, s2.amax(-1))
@@ -252,7 +254,7 @@ class TorchChunkedBackend(Backend):
                 acc = acc * alpha1 + (e1 * diff).sum(-1)
                 l2 = l2 * torch.exp(m2 - m2_safe) + torch.exp(s2 - m2_safe[..., None]).sum(-1)
                 m1, m2 = m1_new, m2_new
-            kl, row_lse1, row_lse2, row_e = finalize_rows(m1, l1, m2, l2, acc, uncovered, ~seen1)
+            kl, row_lse1, row_lse2, row_e = finalize_rows(m1, l1, m2, l2, acc, uncovered, ~seen1, ~seen2)
             _, q_start, len_q, _, _ = span
             row_slice = _as_slice(rows)
             row_view(problem, kl_rows, seq, q_start, len_q)[row_slice, heads] = kl.transpose(0, 1)

@@ -21,12 +21,12 @@ when `max_seqlen*` are given.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from streamkl.problem import Problem, SideMask
+from streamkl._cache import LRUCache
+from streamkl.problem import Problem, SideMask, fold_causal
 
 #: kv_partial / q_partial flag bits (0: a full tile, every element allowed on both sides)
 STRUCTURAL, OFF1, OFF2, MIXED = 1, 2, 4, 8
@@ -90,9 +90,7 @@ def _structural_tiles(problem: Problem, block_q: int, block_k: int, n_q: int, n_
     offset = (len_k - len_q)[:, None, None]  # bottom-right alignment
     exists = (q0 <= q1) & (k0 <= k1)
     complete = (q1 - q0 + 1 == block_q) & (k1 - k0 + 1 == block_k)
-    left, right = problem.window
-    if problem.causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = fold_causal(problem.causal, problem.window)
     any_allowed, all_allowed = exists, exists & complete
     if left >= 0:  # key j >= i + offset - left
         any_allowed = any_allowed & (k1 >= q0 + offset - left)
@@ -164,42 +162,22 @@ def build_schedule(problem: Problem, block_q: int, block_k: int) -> TileSchedule
     )
 
 
-_CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 32
-
-
-def _tensor_key(t: torch.Tensor | None):
-    return None if t is None else (id(t), t._version, t.data_ptr())
+_CACHE = LRUCache(_CACHE_SIZE)
 
 
 def get_schedule(problem: Problem, block_q: int, block_k: int) -> TileSchedule:
-    """`build_schedule`, cached per (masks, cu_seqlens, shapes, tiles).
-
-    The cache holds the key tensors alive, so an id cannot be reused while its entry exists, and a
-    tensor changed in place (its version moves) misses the cache."""
+    """`build_schedule`, cached per (problem.key, tiles): the key holds the masks' and cu_seqlens'
+    identity and version, so a tensor changed in place misses the cache; the entry keeps the
+    problem (and so those tensors) alive, so their ids are not reused while it exists."""
     if torch.compiler.is_compiling():
         return build_schedule(problem, block_q, block_k)
-    keyed = [problem.cu_seqlens_q, problem.cu_seqlens_k]
-    keyed += [None if m is None else m.pattern for m in (problem.mask1, problem.mask2)]
-    key = (
-        tuple(_tensor_key(t) for t in keyed),
-        tuple(None if m is None else (m.block_q, m.block_k) for m in (problem.mask1, problem.mask2)),
-        problem.seqlen_q,
-        problem.seqlen_k,
-        problem.causal,
-        problem.window,
-        str(problem.device),
-        block_q,
-        block_k,
-    )
+    key = (problem.key, block_q, block_k)
     hit = _CACHE.get(key)
     if hit is not None:
-        _CACHE.move_to_end(key)
         return hit[0]
     schedule = build_schedule(problem, block_q, block_k)
-    _CACHE[key] = (schedule, keyed)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    _CACHE.put(key, (schedule, problem))
     return schedule
 
 
@@ -246,7 +224,7 @@ def transpose_schedule(schedule: TileSchedule) -> KeyTileSchedule:
     )
 
 
-_KEY_CACHE: OrderedDict = OrderedDict()
+_KEY_CACHE = LRUCache(_CACHE_SIZE)
 
 
 def get_key_schedule(schedule: TileSchedule) -> KeyTileSchedule:
@@ -256,17 +234,14 @@ def get_key_schedule(schedule: TileSchedule) -> KeyTileSchedule:
         return transpose_schedule(schedule)
     hit = _KEY_CACHE.get(id(schedule))
     if hit is not None and hit[0] is schedule:
-        _KEY_CACHE.move_to_end(id(schedule))
         return hit[1]
     result = transpose_schedule(schedule)
-    _KEY_CACHE[id(schedule)] = (schedule, result)
-    while len(_KEY_CACHE) > _CACHE_SIZE:
-        _KEY_CACHE.popitem(last=False)
+    _KEY_CACHE.put(id(schedule), (schedule, result))
     return result
 
 
 # ------------------------------------------------------------------------------- program order
-_ORDER_CACHE: OrderedDict = OrderedDict()
+_ORDER_CACHE = LRUCache(64)
 
 
 def heaviest_first(counts: torch.Tensor, batch: int, head_lo: int, heads: int, head_step: int,
@@ -287,7 +262,6 @@ def heaviest_first(counts: torch.Tensor, batch: int, head_lo: int, heads: int, h
     if keep:
         hit = _ORDER_CACHE.get(key)
         if hit is not None and hit[0] is counts:
-            _ORDER_CACHE.move_to_end(key)
             return hit[1]
     full_heads = max(counts.shape[1], head_lo + (heads - 1) * head_step + 1)
     chosen = counts.expand(batch, full_heads, counts.shape[2])[:, head_lo:head_lo + heads * head_step:head_step]
@@ -299,7 +273,5 @@ def heaviest_first(counts: torch.Tensor, batch: int, head_lo: int, heads: int, h
     base = torch.arange(batch * heads, device=counts.device, dtype=torch.int64).view(batch, heads, 1) * programs
     order = (tiles + base).reshape(-1).to(torch.int32)
     if keep:
-        _ORDER_CACHE[key] = (counts, order)
-        while len(_ORDER_CACHE) > 64:
-            _ORDER_CACHE.popitem(last=False)
+        _ORDER_CACHE.put(key, (counts, order))
     return order
