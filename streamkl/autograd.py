@@ -82,7 +82,8 @@ def run_backward(problem: Problem, impl: Backend, grad_rows, q1, k1, q2, k2, lse
 
 def _forward_impl(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
     problem, impl = unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
-    return run_forward(problem, impl, q1, k1, q2, k2)
+    with torch.no_grad():  # a kernel: its own ops are not differentiated (the op's autograd is `_backward`)
+        return run_forward(problem, impl, q1, k1, q2, k2)
 
 
 def _forward_fake(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
@@ -96,7 +97,8 @@ def _forward_fake(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
 
 def _backward_impl(grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ints, floats, needs):
     problem, impl = unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
-    grads = run_backward(problem, impl, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
+    with torch.no_grad():  # (under create_graph=True too: the op has no derivative, see below)
+        grads = run_backward(problem, impl, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (q1, k1, q2, k2)))
 
 
@@ -132,6 +134,13 @@ _LIBRARY.impl("kl_backward", _backward_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("streamkl::kl_forward", _forward_fake, lib=_LIBRARY)
 torch.library.register_fake("streamkl::kl_backward", _backward_fake, lib=_LIBRARY)
 torch.library.register_autograd("streamkl::kl_forward", _backward, setup_context=_setup_context, lib=_LIBRARY)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("streamkl::kl_backward has no autograd formula: streamkl.kl has no second derivative")
+
+
+torch.library.register_autograd("streamkl::kl_backward", _no_double_backward, lib=_LIBRARY)
 
 
 def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2) -> tuple:
