@@ -1,10 +1,11 @@
 """The autograd path every backend shares: two `torch.library` ops with fake implementations.
 
-`streamkl::kl_forward` and `streamkl::kl_backward` carry the problem as plain tensors, ints, floats
-and a backend name, so `torch.compile(fullgraph=True)` sees two opaque ops and no graph break, and
-eager calls run the very same code. The backend chosen in forward also runs the backward. The ops
-are defined with `torch.library.Library` (define + impl) rather than `torch.library.custom_op`:
-the same public registration, without the decorator's per-call Python wrappers.
+`streamkl::kl_forward` and `streamkl::kl_backward` carry the problem as plain tensors, ints and
+floats (the backend's index among them), so `torch.compile(fullgraph=True)` sees two opaque ops and
+no graph break, and eager calls run the very same code; `_KL` (an autograd.Function) connects them.
+The backend chosen in forward also runs the backward. The ops are defined with
+`torch.library.Library` (define + impl) rather than the `torch.library.custom_op` decorator: the
+same public registration, without the decorator's per-call Python wrappers.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def run_backward(problem: Problem, impl: Backend, grad_rows, q1, k1, q2, k2, lse
 
 def _forward_impl(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
     problem, impl = unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
-    with torch.no_grad():  # a kernel: its own ops are not differentiated (the op's autograd is `_backward`)
+    with torch.no_grad():  # a kernel: its own ops are not differentiated (`_KL` is the autograd)
         return run_forward(problem, impl, q1, k1, q2, k2)
 
 
@@ -97,7 +98,7 @@ def _forward_fake(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
 
 def _backward_impl(grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ints, floats, needs):
     problem, impl = unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
-    with torch.no_grad():  # (under create_graph=True too: the op has no derivative, see below)
+    with torch.no_grad():  # (under create_graph=True too: the op has no derivative)
         grads = run_backward(problem, impl, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (q1, k1, q2, k2)))
 
@@ -106,34 +107,43 @@ def _backward_fake(grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, ma
     return tuple(torch.empty_like(t) if need else t.new_empty(0) for t, need in zip((q1, k1, q2, k2), needs))
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats = inputs
-    _, lse1, lse2, expect = output
-    # E enters only side 1's gradients (dS1 = g p (d - E)): for a detached teacher lse1 stands in
-    # for it (same shape, never read for side 2), so the forward keeps 8 bytes a (row, head), not 12
-    needs = getattr(ctx, "needs_input_grad", None)
-    if needs is not None and not needs[0] and not needs[1]:
-        expect = lse1
-    ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2)
-    ctx.ints, ctx.floats = ints, floats
+class _KL(torch.autograd.Function):
+    """The autograd of `streamkl::kl_forward`: its backward is `streamkl::kl_backward`.
 
+    An `autograd.Function` around the ops (FlashAttention's arrangement) rather than
+    `torch.library.register_autograd`, whose wrapper walks the op's schema on every call (about
+    half the front end's host time on a small problem); eager and torch.compile take it alike."""
 
-def _backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
-    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
-    if grad_rows is None or not any(needs):
-        return (None,) * 10
-    q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2 = ctx.saved_tensors
-    grads = torch.ops.streamkl.kl_backward(
-        grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats, needs
-    )
-    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 6
+    @staticmethod
+    def forward(ctx, q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
+        kl_rows, lse1, lse2, expect = torch.ops.streamkl.kl_forward(
+            q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
+        # E enters only side 1's gradients (dS1 = g p (d - E)): for a detached teacher lse1 stands in
+        # for it (same shape, never read for side 2), so the forward keeps 8 bytes a (row, head), not 12
+        needs = ctx.needs_input_grad
+        saved_expect = lse1 if not needs[0] and not needs[1] else expect
+        ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, saved_expect, cu_q, cu_k, mask1, mask2)
+        ctx.ints, ctx.floats = ints, floats
+        ctx.mark_non_differentiable(lse1, lse2, expect)
+        ctx.set_materialize_grads(False)
+        return kl_rows, lse1, lse2, expect
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
+        needs = [bool(n) for n in ctx.needs_input_grad[:4]]
+        if grad_rows is None or not any(needs):
+            return (None,) * 10
+        q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2 = ctx.saved_tensors
+        grads = torch.ops.streamkl.kl_backward(
+            grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats, needs
+        )
+        return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 6
 
 
 _LIBRARY.impl("kl_forward", _forward_impl, "CompositeExplicitAutograd")
 _LIBRARY.impl("kl_backward", _backward_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("streamkl::kl_forward", _forward_fake, lib=_LIBRARY)
 torch.library.register_fake("streamkl::kl_backward", _backward_fake, lib=_LIBRARY)
-torch.library.register_autograd("streamkl::kl_forward", _backward, setup_context=_setup_context, lib=_LIBRARY)
 
 
 def _no_double_backward(ctx, *grads):
@@ -146,4 +156,6 @@ torch.library.register_autograd("streamkl::kl_backward", _no_double_backward, li
 def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2) -> tuple:
     """(kl_rows, lse1, lse2, expect) of a validated problem, differentiable in q1, k1, q2, k2."""
     cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem, impl.name)
+    if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
+        return _KL.apply(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats)
     return torch.ops.streamkl.kl_forward(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats)
