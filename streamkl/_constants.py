@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores to base-2 (the kernels use exp2)
 LN2 = 0.6931471805599453  # ln(2): base-2 statistics back to natural logs
 NEG_INF = float("-inf")
@@ -11,5 +9,3 @@ NEG_INF = float("-inf")
 MAX_HEAD_DIM = 256
 #: Window bounds and lengths travel to the kernels as int32.
 MAX_INT32 = 2**31 - 1
-
-assert abs(LOG2E * LN2 - 1.0) < 1e-15 and abs(LN2 - math.log(2.0)) < 1e-15
