@@ -123,21 +123,21 @@ def test_mean_without_value_reads_uses_a_table_seen_before(monkeypatch):
     earlier eager call keeps its host copy: the mean divides by the same structural row count, so a
     captured step equals its eager twin bit for bit. A table never seen falls back to counting the
     non-empty rows on the device (same value)."""
-    from streamkl import api
+    from streamkl import api, reduction
 
     inputs = make_inputs((70,), (70,), 2, (2, 2), (16, 16), torch.float32, DEVICE, (False,) * 4)
     counted = []
-    original = torch.count_nonzero
-    monkeypatch.setattr(torch, "count_nonzero", lambda *a, **k: counted.append(1) or original(*a, **k))
+    original = reduction._rows_with_side1_support
+    monkeypatch.setattr(reduction, "_rows_with_side1_support", lambda p: counted.append(1) or original(p))
     cu = torch.tensor([0, 0, 30, 64], dtype=torch.int32, device=DEVICE)
     kwargs = dict(cu_seqlens=cu, max_seqlen=34, causal=True, backend="torch")
-    monkeypatch.setattr(api, "_may_sync", lambda: False)
+    monkeypatch.setattr(api, "_may_read_values", lambda: False)
     unseen = streamkl.kl(*inputs, **kwargs)
     assert counted  # no host copy of this table yet: rows counted on the device
-    monkeypatch.setattr(api, "_may_sync", lambda: True)
+    monkeypatch.setattr(api, "_may_read_values", lambda: True)
     eager = streamkl.kl(*inputs, **kwargs)  # reads and checks the table once
     torch.testing.assert_close(unseen, eager, rtol=1e-6, atol=0)
     counted.clear()
-    monkeypatch.setattr(api, "_may_sync", lambda: False)
+    monkeypatch.setattr(api, "_may_read_values", lambda: False)
     assert torch.equal(streamkl.kl(*inputs, **kwargs), eager)
     assert not counted
