@@ -20,7 +20,7 @@ test: install
 	$(PYTHON) -m pytest -n auto -q -p no:benchmark
 
 lint:
-	ruff check streamkl tests benchmarks examples
+	ruff check streamkl tests benchmarks tools examples
 
 bench-cpu:
 	$(PYTHON) benchmarks/cpu.py

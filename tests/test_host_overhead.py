@@ -1,6 +1,6 @@
 """The front end's host path: eager calls skip the custom ops but compute exactly what they compute,
 the arguments are validated once per call, and a dense call reads no tensor value on the host.
-No timings are asserted here: benchmarks/host_overhead.py measures them."""
+No timings are asserted here: tools/host_overhead.py measures them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import streamkl
 from streamkl import api
 from streamkl import autograd as kl_autograd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import host_overhead  # noqa: E402
 
 
