@@ -1,255 +1,219 @@
-"""A/B of host-side changes: the same calls timed from two source trees, in alternating processes.
+"""A/B of two source trees on the GPU: the suite's Triton cases, tree A against tree B, interleaved.
 
-The suite's synchronized measure (L2 flushed, device synchronized, one call between CUDA events:
-host time before the first launch included) moves with the host's Python as much as with the
-kernels, and the device machine can differ between calls: comparing a change against a suite run
-of an earlier session mixes both. This runs each tree's `streamkl` in its own process, rounds
-alternating (A B A B), on the same GPU, and prints one JSON line per (tree, round, case): the
-median synchronized ms, the median host ms of one call (Python time, GPU idle before it) and the
-median back-to-back ms (host hidden). A tree is a directory holding a `streamkl` package, e.g. one
-exported with `git archive REV streamkl | tar -x -C old`.
+Each tree is a directory holding a `streamkl` package (a checkout, or `git worktree add /tmp/old REV`).
+Both packages are named `streamkl`, so each round runs each tree in its own process (PYTHONPATH=tree),
+alternating A B, B A, ...: drift of the machine lands on both. Per case a worker measures
 
-    python benchmarks/ab_trees.py --trees old,. --rounds 2 --out $OUT/ab_trees.jsonl
+- `kernel_ms`: calls enqueued back to back (L2 flushed before each, one sync at the end), the median
+  of CUDA-event times: the kernels' time as in a training loop (the suite's headline column);
+- `host_us`: the wall time of one Python call started on an idle GPU (synchronized before the
+  timer starts), median: for the no-grad forward, the training forward (the student's inputs
+  require grad) and the backward, at N = 1K and 4K.
 
-`--interleave PACKAGE` instead times both in one process, call by call alternating (the host's
-state drifts between processes): PACKAGE is the old tree imported under another name, e.g.
-`git archive REV streamkl | tar -x -C old && mv old/streamkl old/streamkl_old && sed -i
-'s/\\bstreamkl\\b/streamkl_old/g' $(find old -name '*.py')` (its custom ops get that namespace).
+The report is a markdown table of the medians over rounds and the ratio B/A, plus the raw JSON lines.
 
-    PYTHONPATH=old python benchmarks/ab_trees.py --interleave streamkl_old --out $OUT/ab.jsonl
-
-`--flip SWITCHES` interleaves this tree with a copy of itself whose module switches are set
-otherwise (the copy made here, in a temporary directory, as the package `streamkl_flip`: the device
-machine's copy of the tree has no git history to export an old one from); its rows are "old":
-
-    python benchmarks/ab_trees.py --flip backends.triton.gluon_backward.DIAG_LAST=False --cases "all D=128 causal"
+    git worktree add /tmp/streamkl-old <old-commit>
+    python tools/ab_trees.py /tmp/streamkl-old . --rounds 4 --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-CASES = {  # name: (D, causal, sparsity, grads)
-    "fwd D=64": (64, False, None, ()),
-    "fwd D=64 causal": (64, True, None, ()),
-    "fwd D=128": (128, False, None, ()),
-    "fwd D=128 causal": (128, True, None, ()),
-    "fwd 90%": (128, False, 0.9, ()),
-    "student 90%": (128, False, 0.9, (2, 3)),
-    "all 90%": (128, False, 0.9, (0, 1, 2, 3)),
-    "all D=128": (128, False, None, (0, 1, 2, 3)),
-    "all D=128 causal": (128, True, None, (0, 1, 2, 3)),
-    "student D=128": (128, False, None, (2, 3)),
-    "student D=128 causal": (128, True, None, (2, 3)),
-    "student D=64": (64, False, None, (2, 3)),
-    "student D=64 causal": (64, True, None, (2, 3)),
-    # the varlen target's pair: 16 packed causal sequences of 4096 tokens and the batched dense call
-    "varlen all": (128, True, None, (0, 1, 2, 3)),
-    "batched all": (128, True, None, (0, 1, 2, 3)),
-    "varlen student": (128, True, None, (2, 3)),
+# name: (N, D, causal, sparsity, grads, layout); grads index q1, k1, q2, k2
+KERNEL_CASES = {
+    "forward D=128": (16384, 128, False, None, (), "dense"),
+    "forward D=128 causal": (16384, 128, True, None, (), "dense"),
+    "forward D=64": (16384, 64, False, None, (), "dense"),
+    "forward D=64 causal": (16384, 64, True, None, (), "dense"),
+    "fwd+bwd student D=128": (16384, 128, False, None, (2, 3), "dense"),
+    "fwd+bwd student D=128 causal": (16384, 128, True, None, (2, 3), "dense"),
+    "fwd+bwd student D=64": (16384, 64, False, None, (2, 3), "dense"),
+    "fwd+bwd student D=64 causal": (16384, 64, True, None, (2, 3), "dense"),
+    "fwd+bwd all D=128": (16384, 128, False, None, (0, 1, 2, 3), "dense"),
+    "fwd+bwd all D=128 causal": (16384, 128, True, None, (0, 1, 2, 3), "dense"),
+    "forward 90% sparse": (16384, 128, False, 0.9, (), "dense"),
+    "fwd+bwd student 90% sparse": (16384, 128, False, 0.9, (2, 3), "dense"),
+    "fwd+bwd all 90% sparse": (16384, 128, False, 0.9, (0, 1, 2, 3), "dense"),
+    "fwd+bwd student varlen 16x4K": (4096, 128, True, None, (2, 3), "varlen"),
+    "fwd+bwd all varlen 16x4K": (4096, 128, True, None, (0, 1, 2, 3), "varlen"),
 }
-SEQS, SEQ_LEN = 16, 4096  # the varlen cases' shape (their N and heads are the call's --heads)
+HOST_MODES = ("forward", "training forward", "backward")
+HOST_SHAPES = ((1024, 128), (4096, 128), (1024, 64), (4096, 64))  # (N, D), causal, H=16
+HEADS, SEQS, BLOCK = 16, 16, 128
 
 
-def make_inputs(name, n, h, d, grads):
-    """The case's four inputs and the keyword arguments its layout adds (cu_seqlens for varlen)."""
-    import torch
-
-    extra = {}
-    if name.startswith("varlen"):
-        shape = (SEQS * SEQ_LEN, h, d)
-        from streamkl.varlen import cu_seqlens_from_lengths
-
-        extra = dict(cu_seqlens=cu_seqlens_from_lengths([SEQ_LEN] * SEQS, device="cuda"), max_seqlen=SEQ_LEN)
-    elif name.startswith("batched"):
-        shape = (SEQS, SEQ_LEN, h, d)
-    else:
-        shape = (1, n, h, d)
-    inputs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_(i in grads) for i in range(4)]
-    return inputs, extra
+# ----------------------------------------------------------------------------- the worker (one tree)
+def _inputs(torch, shape, grads):
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_(i in grads) for i in range(4)]
 
 
-def make_run(lib, inputs, kwargs, grads):
-    """One call of `lib.kl` (forward, with a backward when some input needs a gradient)."""
-
-    def run():
-        loss = lib.kl(*inputs, **kwargs)
-        if grads:
-            loss.backward()
-            for t in inputs:
-                t.grad = None
-
-    return run
+def _block_mask(torch, streamkl, n, sparsity):
+    """The suite's mask: per head, each query block keeps the same number of random key blocks."""
+    blocks = math.ceil(n / BLOCK)
+    keep = max(1, round(blocks * (1.0 - sparsity)))
+    scores = torch.rand(1, HEADS, blocks, blocks, generator=torch.Generator().manual_seed(1234))
+    pattern = torch.zeros(1, HEADS, blocks, blocks, dtype=torch.bool).scatter_(-1, scores.topk(keep, -1).indices, True)
+    return streamkl.BlockMask.from_dense(pattern.cuda(), block_size=BLOCK)
 
 
-def flipped_package(spec: str) -> str:
-    """A copy of this tree's `streamkl`, imported as `streamkl_flip`, with the module switches of
-    `spec` set ("backends.triton.gluon_backward.DIAG_LAST=False,..."; values Python literals, set on
-    the imported modules: the switches are read at call time). Returns the package's name."""
-    import ast
-    import importlib
-    import re
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="ab-flip-"))
-    shutil.copytree(HERE.parent / "streamkl", root / "streamkl_flip", ignore=shutil.ignore_patterns("__pycache__"))
-    for path in (root / "streamkl_flip").rglob("*.py"):  # (its custom ops get that namespace too)
-        path.write_text(re.sub(r"\bstreamkl\b", "streamkl_flip", path.read_text()))
-    sys.path.insert(0, str(root))
-    for item in spec.split(","):
-        target, value = item.split("=", 1)
-        module, name = target.strip().rsplit(".", 1)
-        loaded = importlib.import_module(f"streamkl_flip.{module}")
-        if not hasattr(loaded, name):
-            raise SystemExit(f"--flip: streamkl.{module} has no {name}")
-        setattr(loaded, name, ast.literal_eval(value))
-    return "streamkl_flip"
+def _kernel_ms(torch, run, repeats):
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(repeats):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def interleaved(args):
-    """Both packages in this process, each repetition timing one call of each (order alternating)."""
-    import importlib
-
-
-    sys.path.insert(0, str(HERE.parent))
-    sys.path.insert(1, str(HERE))
-    from suite import Timer, block_mask
-
-    import streamkl
-
-    libs = {"new": streamkl, "old": importlib.import_module(args.interleave)}
-    n, h = args.n, args.heads
-    timer, overlap = Timer("cuda"), Timer("cuda", overlap_host=True)
-    rows = []
-    for name in args.cases.split(","):
-        d, causal, sparsity, grads = CASES[name]
-        inputs, extra = make_inputs(name, n, h, d, grads)
-        kwargs = {label: dict(causal=causal, backend="triton", **extra) for label in libs}
-        if sparsity is not None:
-            pattern = block_mask(n, h, sparsity, 128, "cuda").to_dense()
-            for label, lib in libs.items():  # each package's own BlockMask
-                kwargs[label]["mask1"] = kwargs[label]["mask2"] = lib.BlockMask.from_dense(pattern, 128)
-        runs = {label: make_run(lib, inputs, kwargs[label], grads) for label, lib in libs.items()}
-        for run in runs.values():
-            for _ in range(3):
-                run()
-        sync = {label: [] for label in runs}
-        host = {label: [] for label in runs}
-        back = {label: [] for label in runs}
-        for rep in range(args.repeats):
-            for label in (("old", "new") if rep % 2 else ("new", "old")):
-                sync[label].append(timer.once(runs[label])[0])
-                host[label] += timer.host_ms(runs[label], 1)
-                if rep % 5 == 0:  # calls back to back (host hidden where the GPU is the bound)
-                    back[label] += overlap.overlapped(runs[label], 5)
-        for label in runs:
-            row = dict(case=name, tree=label, old=args.flip or args.interleave,
-                       sync_ms=round(statistics.median(sync[label]), 4),
-                       host_ms=round(statistics.median(host[label]), 4),
-                       host_min_ms=round(min(host[label]), 4), overlap_ms=round(statistics.median(back[label]), 4))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.out:
-        args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def worker(args):
-    sys.path.insert(0, str(Path(args.worker).resolve()))
-    sys.path.insert(1, str(HERE))
-    import torch
-    from suite import Timer, block_mask
-
-    import streamkl
-
-    assert Path(streamkl.__file__).resolve().is_relative_to(Path(args.worker).resolve()), streamkl.__file__
-    n, h = args.n, args.heads
-    timer, overlap = Timer("cuda"), Timer("cuda", overlap_host=True)
-    for name in args.cases.split(","):
-        d, causal, sparsity, grads = CASES[name]
-        inputs, extra = make_inputs(name, n, h, d, grads)
-        kwargs = dict(causal=causal, backend="triton", **extra)
-        if sparsity is not None:
-            kwargs["mask1"] = kwargs["mask2"] = block_mask(n, h, sparsity, 128, "cuda")
-
-        run = make_run(streamkl, inputs, kwargs, grads)
-        for _ in range(3):
-            run()
+def _host_us(torch, call, repeats, before=None):
+    spans = []
+    for _ in range(repeats + 3):  # the first three warm caches
+        if before is not None:
+            before()
         torch.cuda.synchronize()
-        sync = [timer.once(run)[0] for _ in range(args.repeats)]
-        host = timer.host_ms(run, args.repeats)
-        back = overlap.overlapped(run, args.repeats)
-        print(json.dumps(dict(tree=args.worker, case=name, sync_ms=round(statistics.median(sync), 4),
-                              host_ms=round(statistics.median(host), 4), overlap_ms=round(statistics.median(back), 4))),
-              flush=True)
-    if args.engine:  # the autograd engine's own cost: a Function doing one scalar op each way on CUDA
-        class Scalar(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.sum()
-
-            @staticmethod
-            def backward(ctx, g):
-                return g.expand(4)
-
-        x = torch.zeros(4, device="cuda", requires_grad=True)
-        spans = []
-        for _ in range(200):
-            loss = Scalar.apply(x)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            loss.backward()
-            spans.append((time.perf_counter() - start) * 1e6)
-            x.grad = None
-        print(json.dumps(dict(tree=args.worker, case="engine: backward() of a one-op Function",
-                              host_us=round(statistics.median(spans), 1))), flush=True)
+        start = time.perf_counter()
+        call()
+        spans.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(spans[3:])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trees", default="old,.")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--n", type=int, default=16384)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--interleave", default=None, help="the old tree's package name: both in one process")
-    parser.add_argument("--flip", default=None, help="interleave with a copy of this tree, these switches set")
+def worker(tree: str, cases: list[str], repeats: int, host_repeats: int) -> None:
+    import torch
+
+    import streamkl
+
+    if not Path(streamkl.__file__).resolve().is_relative_to(Path(tree).resolve()):
+        raise SystemExit(f"imported {streamkl.__file__}, not the tree {tree}: is streamkl installed in site-packages?")
+    torch.manual_seed(0)
+    for name in cases:
+        n, d, causal, sparsity, grads, layout = KERNEL_CASES[name]
+        kwargs = dict(causal=causal, backend="triton")
+        if layout == "varlen":
+            inputs = _inputs(torch, (SEQS * n, HEADS, d), grads)
+            kwargs.update(cu_seqlens=torch.arange(SEQS + 1, device="cuda", dtype=torch.int32) * n, max_seqlen=n)
+        else:
+            inputs = _inputs(torch, (1, n, HEADS, d), grads)
+        if sparsity is not None:
+            kwargs["mask1"] = kwargs["mask2"] = _block_mask(torch, streamkl, n, sparsity)
+
+        def run(inputs=inputs, kwargs=kwargs, grads=grads):
+            loss = streamkl.kl(*inputs, **kwargs)
+            if grads:
+                loss.backward()
+                for t in inputs:
+                    t.grad = None
+
+        print(json.dumps(dict(case=name, metric="kernel_ms", value=_kernel_ms(torch, run, repeats))), flush=True)
+        del inputs, kwargs, run
+        torch.cuda.empty_cache()
+    for n, d in HOST_SHAPES:
+        for mode in HOST_MODES:
+            grad = mode != "forward"
+            q1, k1 = _inputs(torch, (1, n, HEADS, d), ())[:2]
+            q2, k2 = _inputs(torch, (1, n, HEADS, d), (0, 1) if grad else ())[:2]
+
+            def forward(q1=q1, k1=k1, q2=q2, k2=k2):
+                return streamkl.kl(q1, k1, q2, k2, causal=True, backend="triton")
+
+            if mode == "backward":
+                held = {}
+
+                def before(q2=q2, k2=k2, held=held, forward=forward):
+                    q2.grad = k2.grad = None
+                    held["loss"] = forward()
+
+                value = _host_us(torch, lambda held=held: held.pop("loss").backward(), host_repeats, before)
+            else:
+                value = _host_us(torch, forward, host_repeats)
+            case = f"host {mode}, N={n} D={d} causal"
+            print(json.dumps(dict(case=case, metric="host_us", value=value)), flush=True)
+
+
+# ----------------------------------------------------------------------------- the driver
+def run_tree(tree: Path, args) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    env.pop("STREAMKL_BACKEND", None)
+    command = [sys.executable, __file__, "--worker", str(tree), "--cases", ",".join(args.cases),
+               "--repeats", str(args.repeats), "--host-repeats", str(args.host_repeats)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tree)
+    if result.returncode:
+        raise SystemExit(f"tree {tree} failed:\n{result.stderr[-4000:]}")
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def report(rows: list[dict], trees: dict[str, Path]) -> str:
+    lines = ["# A/B of two trees (medians over rounds)", "",
+             f"- A: `{trees['A']}`", f"- B: `{trees['B']}`",
+             f"- rounds: {max(r['round'] for r in rows) + 1}, alternating A B / B A; kernel_ms: back to back, "
+             "CUDA events, L2 flushed; host_us: one call on an idle GPU", "",
+             "| case | metric | A | B | B/A |", "|---|---|---|---|---|"]
+    keys = list(dict.fromkeys((r["case"], r["metric"]) for r in rows))
+    for case, metric in keys:
+        values = {label: statistics.median(r["value"] for r in rows if (r["case"], r["metric"], r["tree"]) ==
+                                           (case, metric, label)) for label in ("A", "B")}
+        ratio = values["B"] / values["A"] if values["A"] else float("nan")
+        fmt = ".3f" if metric == "kernel_ms" else ".0f"
+        lines.append(f"| {case} | {metric} | {values['A']:{fmt}} | {values['B']:{fmt}} | {ratio:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("tree_a", nargs="?", help="the baseline tree (a directory holding streamkl/)")
+    parser.add_argument("tree_b", nargs="?", default=".", help="the tree measured against it")
+    parser.add_argument("--rounds", type=int, default=4, help="processes per tree, alternating")
+    parser.add_argument("--cases", default=",".join(KERNEL_CASES), help="comma-separated kernel cases")
+    parser.add_argument("--repeats", type=int, default=30, help="back-to-back calls per kernel case")
+    parser.add_argument("--host-repeats", type=int, default=100, help="calls per host-time cell")
+    parser.add_argument("--out", type=Path, default=None, help="directory for ab_trees.md and ab_trees.jsonl")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in args.cases if c not in KERNEL_CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {list(KERNEL_CASES)}")
     if args.worker:
-        return worker(args)
-    if args.flip:
-        args.interleave = flipped_package(args.flip)
-    if args.interleave:
-        return interleaved(args)
-    lines = []
+        worker(args.worker, args.cases, args.repeats, args.host_repeats)
+        return 0
+    if args.tree_a is None:
+        parser.error("give tree A (e.g. a `git worktree` of the old commit) and optionally tree B (default .)")
+    trees = {"A": Path(args.tree_a).resolve(), "B": Path(args.tree_b).resolve()}
+    for label, tree in trees.items():
+        if not (tree / "streamkl" / "__init__.py").exists():
+            parser.error(f"tree {label} ({tree}) holds no streamkl package")
+    rows = []
     for round_ in range(args.rounds):
-        for tree in args.trees.split(","):
-            command = [sys.executable, __file__, "--worker", tree, "--cases", args.cases, "--n", str(args.n),
-                       "--heads", str(args.heads), "--repeats", str(args.repeats)]
-            if round_ == 0:
-                command.append("--engine")
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode:
-                print(result.stderr[-3000:], file=sys.stderr)
-            for line in result.stdout.splitlines():
-                row = dict(json.loads(line), round=round_)
-                lines.append(row)
-                print(json.dumps(row), flush=True)
+        for label in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
+            for row in run_tree(trees[label], args):
+                rows.append(dict(row, tree=label, round=round_))
+                print(json.dumps(rows[-1]), flush=True)
+    md = report(rows, trees)
+    print(md)
     if args.out:
-        args.out.write_text("".join(json.dumps(row) + "\n" for row in lines))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ab_trees.md").write_text(md)
+        (args.out / "ab_trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
