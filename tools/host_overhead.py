@@ -2,12 +2,11 @@
 
 The selected backend's `forward` / `backward` are replaced by stubs that only allocate outputs of
 the right shapes (see streamkl/backends/base.py), so what is timed is the Python / framework path:
-argument checks, backend choice, the autograd / custom-op layers, the tile-schedule cache, the
+argument checks, backend choice, the custom ops and autograd, the tile-schedule cache, the
 front end's few torch ops (the reduction, the gradient's empty-row masking).
 
-    python benchmarks/host_overhead.py                 # forward and forward+backward, microseconds per call
-    python benchmarks/host_overhead.py --ops           # the same through the custom ops (torch.compile's path)
-    python benchmarks/host_overhead.py --profile fwd   # cProfile of the forward path (or fwdbwd), top entries
+    python tools/host_overhead.py                 # forward and forward+backward, microseconds per call
+    python tools/host_overhead.py --profile fwd   # cProfile of the forward path (or fwdbwd), top entries
 
 Runs on the CPU on tiny tensors by default. `--device cuda` times the same path with CUDA tensors:
 no streamkl kernel runs, only the front end's torch ops are launched, so it is host time too.
@@ -89,32 +88,14 @@ def main(argv=None):
     parser.add_argument("--backend", default=None, help="backend to stub (default: what auto picks)")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--ops", action="store_true", help="force the custom-op path (what torch.compile runs) instead of eager's"
-    )
     parser.add_argument("--profile", choices=["fwd", "fwdbwd"], default=None)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
 
     inputs = make_inputs(args)
-    with stub_backend(inputs, args.backend) as impl, _forced_ops(args.ops):
+    with stub_backend(inputs, args.backend) as impl:
         return run(args, impl, inputs)
-
-
-@contextlib.contextmanager
-def _forced_ops(force: bool):
-    """With `force`, eager calls go through the torch.library custom ops (streamkl.autograd)."""
-    from streamkl import autograd
-
-    saved = getattr(autograd, "eager_fast_path", None)
-    if force and saved is not None:
-        autograd.eager_fast_path = lambda tensors: False
-    try:
-        yield
-    finally:
-        if saved is not None:
-            autograd.eager_fast_path = saved
 
 
 def run(args, impl, inputs):
@@ -149,8 +130,7 @@ def run(args, impl, inputs):
         stats.sort_stats("cumulative").print_stats(args.top)
         return None
 
-    path = "custom ops" if args.ops else "eager path"
-    print(f"backend {impl.name} (stubbed), {path}, device {args.device}, q {tuple(q1.shape)} {args.dtype}")
+    print(f"backend {impl.name} (stubbed), device {args.device}, q {tuple(q1.shape)} {args.dtype}")
     results = {}
     for name, fn in (
         ("forward, no_grad", fwd),

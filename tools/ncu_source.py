@@ -1,11 +1,11 @@
 """Summarize Nsight Compute source counters (warp stall sampling per SASS instruction) of one
 kernel: the CSV of `ncu --section SourceCounters --section WarpStateStats --page source --csv
---print-source sass ...` (e.g. `gpu_ab_round.sh`'s ncu step with these flags). Finds the loops
+--print-source sass ...`, e.g. with `--kernel-name regex:_kl_`). Finds the loops
 (backward branches) of 300-520 instructions, the consumer warpgroups' step loops of the Gluon
 backward, and prints for each its share of the samples, the stall reasons, the samples by opcode
 and the instructions with the most samples.
 
-    python benchmarks/ncu_source.py ncu_src.csv [--min 300 --max 520 --top 25]
+    python tools/ncu_source.py ncu_src.csv [--min 300 --max 520 --top 25]
 """
 
 from __future__ import annotations
