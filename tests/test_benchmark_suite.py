@@ -22,7 +22,7 @@ def test_suite_quick_cpu(tmp_path):
         sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--quick", "--device", "cpu", "--out", str(tmp_path),
         "--compile-backend", "eager", "--rep-ms", "2",
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "suite_quick.json").read_text())
     assert report["environment"]["torch"] and report["environment"]["command"].startswith("python benchmarks/suite.py")
