@@ -452,7 +452,7 @@ def _bwd(rows, mode, **want):
 
 
 def targets(rows, args) -> list[dict]:
-    """The issue's targets, for each streamkl GPU provider that ran (cpu: the torch backend)."""
+    """The performance targets, for each streamkl GPU provider that ran (cpu: the torch backend)."""
     head_n = 512 if args.quick else 16384
     out = []
     ours = [p for p in ("streamkl-triton", "streamkl-cupy", "streamkl-torch") if any(r["provider"] == p for r in rows)]
