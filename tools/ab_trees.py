@@ -151,7 +151,7 @@ def worker(tree: str, cases: list[str], repeats: int, host_repeats: int) -> None
 def run_tree(tree: Path, args) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.pop("STREAMKL_BACKEND", None)
-    command = [sys.executable, __file__, "--worker", str(tree), "--cases", ",".join(args.cases),
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(tree), "--cases", ",".join(args.cases),
                "--repeats", str(args.repeats), "--host-repeats", str(args.host_repeats)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tree)
     if result.returncode:
