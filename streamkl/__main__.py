@@ -46,17 +46,20 @@ def gluon_status() -> str:
     import torch
 
     where = f"Gluon kernels (sm_90, triton {GLUON_TRITON}.x): "
-    version = _triton_version()
-    if version is None:
+    if _triton_version() is None:
         return where + "no (triton is not installed)"
-    if not version.startswith(GLUON_TRITON + "."):
-        return where + f"no (triton {version}; the portable Triton kernels run instead)"
+    try:
+        from streamkl.backends.triton.gluon import IMPORT_ERROR
+    except Exception as exc:  # noqa: BLE001 - a triton that fails to import
+        return where + f"no ({type(exc).__name__}: {exc})"
+    if IMPORT_ERROR is not None:
+        return where + f"no ({IMPORT_ERROR}; the portable Triton kernels run instead)"
     if not torch.cuda.is_available():
         return where + "no (no CUDA GPU is visible)"
     major, minor = torch.cuda.get_device_capability()
     if major != 9:
         return where + f"no (this GPU is sm_{major}{minor}; the portable Triton kernels run)"
-    return where + "yes, where they are faster (see docs/kernels.md)"
+    return where + "yes, where select.py chooses them (docs/kernels.md)"
 
 
 def main(argv: list[str] | None = None) -> int:
