@@ -1,6 +1,6 @@
 """The front end's host path: eager calls skip the custom ops but compute exactly what they compute,
 the arguments are validated once per call, and a dense call reads no tensor value on the host.
-No timings are asserted here: tools/host_overhead.py measures them."""
+No timings are asserted here: benchmarks/host_overhead.py measures them."""
 
 from __future__ import annotations
 
