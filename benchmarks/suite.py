@@ -1,6 +1,7 @@
-"""The benchmark suite (issue #5): every provider in one process, time and memory, JSON + markdown + plots.
+"""The benchmark suite: every provider in one process; kernel time, host time and memory; JSON, markdown, plots.
 
-    python benchmarks/suite.py                          # the GPU run (~3.5 min, --max-seconds 180)
+    python benchmarks/suite.py                          # the GPU run (about 6 minutes, --max-seconds 330)
+    python benchmarks/suite.py --host-only              # host time per call only (under a minute)
     python benchmarks/suite.py --quick --device cpu     # smoke run: tiny N, torch backend + naive
     python benchmarks/suite.py --sections nsweep,sparsity --providers streamkl-triton,sdpa-flash
 
@@ -18,23 +19,27 @@ Modes: `forward` (no input needs a gradient), `fwd+bwd student` (q2, k2 need gra
 teacher), `fwd+bwd all` (q1, k1, q2, k2). Backward times are DERIVED: median(fwd+bwd) - median(fwd),
 each measured separately.
 Timing: CUDA events around each call, L2 flushed before each (as triton.testing.do_bench), one
-warm-up call (compilation) then as many calls as fit in `--rep-ms` (at least 1), median. By default
-the device is synchronized before each call, so a call's host time (Python, launches) counts;
-`--overlap-host` enqueues the timed calls back to back with one synchronization at the end, as
-do_bench and a training loop do, so the events bracket device time only. Memory: the
+warm-up call (compilation) then as many calls as fit in `--rep-ms` (at least 1), median, two ways:
+`b2b_ms`, the calls enqueued back to back with one synchronization at the end, as do_bench and a
+training loop do, so the events bracket the kernels' time only (the headline figure); and `ms`,
+the device synchronized before each call, so the call's host time before its first launch
+(Python, launches) counts too. Host time per call (section `host`, `--host-only` alone): the wall
+time of the Python call, median over many calls, each started on an idle GPU (synchronized before
+the timer starts, never inside it), for the no-grad forward, the training forward (the student's
+inputs require grad) and the backward (`loss.backward()`), at N = 1K and 4K. Memory: the
 peak allocated during the first timed call minus what was allocated just before it (inputs excluded,
 gradients of the inputs included); also per (query row, head). A call predicted (quadratic in N from
 the provider's last size) to take more than `--single-call-ms` is timed once without warm-up (its
 kernels were compiled at the smaller N; never for naive-compile); past `--max-call-ms` it is
 "skipped (slow)"; a case that would overrun `--max-seconds` is "skipped (time budget)". Sections run
-by priority: headline (N=16K), D sweep, sparsity, varlen, long context (single call each),
-naive-compile, the rest of the N sweep.
+by priority: host time, headline (N=16K), D sweep, sparsity, varlen, long context (single call
+each), naive-compile, the rest of the N sweep.
 
 Sweeps (GPU defaults, bf16, B=1, H=16, D=128): N = 1K..128K causal and not; D = 64 at N=16K;
 block sparsity 0/50/75/90/95 % (blocks 128, the same random mask on both sides, non-causal) at 16K;
 varlen 16 x 4096 packed vs B=16 N=4096 batched (causal); longest context N = 256K/512K/1M, H=8,
-causal, fwd+bwd student, streamkl-triton only. The issue's targets are computed from these rows
-and marked met / NOT met in the markdown and on stdout.
+causal, fwd+bwd student, streamkl-triton only. The targets (against SDPA, naive, dense) are computed
+from the back-to-back times and marked met / NOT met in the markdown and on stdout.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ STREAMKL = {"streamkl-triton": "triton", "streamkl-cupy": "cupy", "streamkl-torc
 MODES = ("forward", "fwd+bwd student", "fwd+bwd all")
 GRADS = {"forward": (), "fwd+bwd student": (2, 3), "fwd+bwd all": (0, 1, 2, 3)}
 SECTIONS = ("nsweep", "dsweep", "sparsity", "varlen", "long")
+HOST_MODES = ("forward", "training forward", "backward")
 MIB = 2**20
 _START = time.perf_counter()
 
@@ -156,15 +162,76 @@ def make_case_fn(case: dict, args):
     return run
 
 
+def make_host_fns(provider: str, mode: str, n: int, d: int, args) -> tuple:
+    """(before, call) for one host-time measurement: `call` is what is timed, `before` prepares it
+    (untimed). The student's inputs require grad in the training modes (a detached teacher)."""
+    device, dtype, h = args.device, args.torch_dtype, args.host_heads
+    grad = mode != "forward"
+    q1, k1 = (torch.randn(1, n, h, d, device=device, dtype=dtype) for _ in range(2))
+    q2, k2 = (torch.randn(1, n, h, d, device=device, dtype=dtype, requires_grad=grad) for _ in range(2))
+    if provider == "sdpa-flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k = q2.transpose(1, 2), k2.transpose(1, 2)
+        value = torch.randn_like(q, requires_grad=grad)
+        grad_out = torch.randn_like(q)
+
+        def forward():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, value, is_causal=True)
+
+        backward = lambda out: out.backward(grad_out)  # noqa: E731
+        leaves = (q2, k2, value)
+    else:
+        forward = lambda: streamkl.kl(q1, k1, q2, k2, causal=True, backend=STREAMKL[provider])  # noqa: E731
+        backward = lambda loss: loss.backward()  # noqa: E731
+        leaves = (q2, k2)
+    if mode != "backward":
+        return None, forward
+    held = {}
+
+    def before():
+        for t in leaves:
+            t.grad = None
+        held["out"] = forward()
+
+    return before, lambda: backward(held.pop("out"))
+
+
+def run_host(args) -> list[dict]:
+    """Host time per call (us): each provider, head dim, N and mode of `HOST_MODES`."""
+    timer = Timer(args.device)
+    sizes = (128,) if args.quick else (1024, 4096)
+    dims = (32,) if args.quick else (128, 64)
+    providers = [p for p in args.providers if p in STREAMKL or (p == "sdpa-flash" and args.device.startswith("cuda"))]
+    rows = []
+    for provider in providers:
+        for d in dims:
+            for n in sizes:
+                for mode in HOST_MODES:
+                    row = dict(provider=provider, N=n, H=args.host_heads, D=d, mode=mode, causal=True,
+                               host_us=None, host_us_p10=None, repeats=0, error=None)
+                    try:
+                        before, call = make_host_fns(provider, mode, n, d, args)
+                        timer.host_us(call, 1 if args.quick else 3, before)  # compile, caches
+                        spans = sorted(timer.host_us(call, args.host_repeats, before))
+                        row.update(host_us=statistics.median(spans), host_us_p10=spans[len(spans) // 10],
+                                   repeats=len(spans))
+                    except Exception as exc:  # noqa: BLE001 -- recorded, never aborts the run
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    rows.append(row)
+                    print(json.dumps({k: v for k, v in row.items() if v is not None}), flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- timing and memory
 class Timer:
-    def __init__(self, device: str, overlap_host: bool = False):
+    def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
         self.flush = torch.empty(256 * MIB, dtype=torch.int8, device=device) if self.cuda else None
-        self.overlap_host = overlap_host and self.cuda
 
-    def overlapped(self, fn, repeats: int) -> list[float]:
-        """`--overlap-host`: ms of `repeats` calls enqueued back to back (L2 flushed before each, as
+    def back_to_back(self, fn, repeats: int) -> list[float]:
+        """ms of `repeats` calls enqueued back to back (L2 flushed before each, as
         triton.testing.do_bench), one synchronization at the end: the host's per-call time hides
         behind the GPU's work as in a training loop, and the events bracket only device time."""
         events = []
@@ -201,14 +268,18 @@ class Timer:
         peak = torch.cuda.max_memory_allocated() - base if memory else None
         return start.elapsed_time(end), peak
 
-    def host_ms(self, fn, repeats: int) -> list[float]:
-        """The Python time of `repeats` calls, ms, the device synchronized before each (the GPU idle)."""
+    def host_us(self, fn, repeats: int, before=None) -> list[float]:
+        """The wall time of `repeats` Python calls of `fn`, us, each started on an idle GPU: `before()`
+        (untimed) then a synchronization, then the timer around `fn()` alone, which never waits for the
+        device (its kernels are only enqueued)."""
         spans = []
         for _ in range(repeats):
+            if before is not None:
+                before()
             self.sync()
             start = time.perf_counter()
             fn()
-            spans.append((time.perf_counter() - start) * 1e3)
+            spans.append((time.perf_counter() - start) * 1e6)
         self.sync()
         return spans
 
@@ -220,16 +291,16 @@ class Timer:
             self.sync()
             first_s = time.perf_counter() - begin
         ms, peak = self.once(fn, memory=True)
-        times = [ms]
+        times, b2b = [ms], None
         if warm:
             for _ in range(min(int(warmup_ms / max(ms, 1e-3)), 50)):
                 fn()
             repeats = min(int(rep_ms / max(ms, 1e-3)), 200)
-            if self.overlap_host and repeats > 0:
-                times = self.overlapped(fn, repeats)  # the first (synchronized) call left out
-            else:
-                times += [self.once(fn)[0] for _ in range(repeats)]
-        return dict(ms=statistics.median(times), peak_bytes=peak, repeats=len(times), first_call_s=first_s)
+            times += [self.once(fn)[0] for _ in range(repeats)]
+            if self.cuda:
+                b2b = statistics.median(self.back_to_back(fn, max(repeats, 1)))
+        return dict(ms=statistics.median(times), b2b_ms=b2b, peak_bytes=peak, repeats=len(times),
+                    first_call_s=first_s)
 
 
 def _free(collect: bool):
@@ -305,13 +376,13 @@ def case_key(case: dict) -> tuple:
 
 
 def run_cases(cases: list[dict], args) -> list[dict]:
-    timer = Timer(args.device, args.overlap_host)
+    timer = Timer(args.device)
     oom_at = {}  # (provider, mode, D, layout) -> smallest N that ran out of memory
     last = {}  # (provider, mode, D, causal, layout, sparsity) -> (N, ms) of the last measured size
     rows = []
     for case in cases:
         row = {k: v for k, v in case.items() if k != "priority"}
-        row.update(ms=None, peak_bytes=None, extra_bytes_per_row_head=None, note=None, error=None)
+        row.update(ms=None, b2b_ms=None, peak_bytes=None, extra_bytes_per_row_head=None, note=None, error=None)
         provider, n = case["provider"], case["N"]
         tokens = n * case["B"] * case.get("seqs", 1)
         rows_heads = case["B"] * case.get("seqs", 1) * case["H"]
@@ -363,10 +434,15 @@ def run_cases(cases: list[dict], args) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- targets
+def kernel_ms(r: dict) -> float | None:
+    """The back-to-back time where it was measured (GPU, warm), else the synchronized one."""
+    return r["b2b_ms"] if r.get("b2b_ms") is not None else r.get("ms")
+
+
 def _find(rows, **want):
     for r in rows:
-        if all(r.get(k) == v for k, v in want.items()) and r.get("ms") is not None:
-            return r["ms"]
+        if all(r.get(k) == v for k, v in want.items()) and kernel_ms(r) is not None:
+            return kernel_ms(r)
     return None
 
 
@@ -376,7 +452,7 @@ def _bwd(rows, mode, **want):
 
 
 def targets(rows, args) -> list[dict]:
-    """The issue's targets, for each streamkl GPU provider that ran (cpu: the torch backend)."""
+    """The performance targets, for each streamkl GPU provider that ran (cpu: the torch backend)."""
     head_n = 512 if args.quick else 16384
     out = []
     ours = [p for p in ("streamkl-triton", "streamkl-cupy", "streamkl-torch") if any(r["provider"] == p for r in rows)]
@@ -447,12 +523,46 @@ def environment(args) -> dict:
     return env
 
 
-def _cell_ms(r):
+def _cell_ms(r, key="ms"):
     if r is None:
         return "-"
-    if r.get("ms") is not None:
-        return f"{r['ms']:.3f}"
+    if r.get(key) is not None:
+        return f"{r[key]:.3f}"
+    if r.get("ms") is not None:  # measured, but not this way (a single call: no back-to-back time)
+        return "-"
     return r.get("note") or (f"error: {r['error'][:80]}" if r.get("error") else "-")
+
+
+def _cell_kernel_ms(r):
+    return _cell_ms(r, "b2b_ms")
+
+
+def host_markdown(host_rows, args) -> list[str]:
+    """The host-time table: us per call, median (10th percentile)."""
+    if not host_rows:
+        return []
+    providers = [p for p in PROVIDERS if any(r["provider"] == p for r in host_rows)]
+    where = ", each on an idle GPU" if args.device.startswith("cuda") else " (CPU: the whole computation)"
+    lines = ["", f"## Host time per call, us (H={args.host_heads}, causal, {args.dtype}; median (10th percentile) "
+             f"of {args.host_repeats} calls{where})", "",
+             "| N | D | call | " + " | ".join(providers) + " |", "|" + "---|" * (3 + len(providers))]
+    keys = sorted({(r["N"], r["D"]) for r in host_rows}, key=lambda k: (-k[1], k[0]))
+    for n, d in keys:
+        for mode in HOST_MODES:
+            cells = []
+            for p in providers:
+                match = [r for r in host_rows if (r["provider"], r["N"], r["D"], r["mode"]) == (p, n, d, mode)]
+                r = match[0] if match else None
+                if r is None:
+                    cells.append("-")
+                elif r["host_us"] is None:
+                    cells.append(f"error: {(r['error'] or '')[:80]}")
+                else:
+                    cells.append(f"{r['host_us']:.0f} ({r['host_us_p10']:.0f})")
+            label = {"forward": "forward, no grad", "training forward": "forward, student requires grad",
+                     "backward": "backward"}[mode]
+            lines.append(f"| {n} | {d} | {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _cell_mib(r):
@@ -468,13 +578,13 @@ def _fmt(v, spec=".3f"):
     return "-" if v is None else format(v, spec)
 
 
-def markdown(rows, env, goals, args, total_s) -> str:
-    clock = "CUDA events, L2 flushed before each call" if args.device.startswith("cuda") else "wall clock"
-    if args.device.startswith("cuda"):
-        clock += (", calls enqueued back to back with one sync at the end (--overlap-host: host time hidden)"
-                  if args.overlap_host else ", device synchronized before each call (host time included)")
+def markdown(rows, host_rows, env, goals, args, total_s) -> str:
+    cuda = args.device.startswith("cuda")
+    clock = ("CUDA events, L2 flushed before each call; back to back: the calls enqueued with one sync at the "
+             "end (the kernels' time, as in a training loop); synchronized: the device synchronized before each "
+             "call (the host's time before the first launch included)") if cuda else "wall clock"
     lines = [
-        "# streamkl benchmark suite",
+        "# streamkl benchmark suite" + (" (host time only)" if args.host_only else ""),
         "",
         f"- command: `{env['command']}`",
         f"- device: {env['device']}; torch {env['torch']}; triton {env['triton']}; cupy {env['cupy']}; "
@@ -485,13 +595,13 @@ def markdown(rows, env, goals, args, total_s) -> str:
         "- skipped (slow): streamkl-torch beyond its token cap, or a call predicted (quadratic in N) past "
         f"{args.max_call_ms:g} ms; skipped (time budget): past --max-seconds {args.max_seconds:g}; OOM: "
         "torch.OutOfMemoryError, larger N of that provider and mode skipped",
-        "- backward = median(fwd+bwd) - median(forward); sdpa-flash = one flash attention of the teacher's shape",
-        "",
-        "## Targets (issue #5)",
-        "",
-        "| provider | target | value | goal | met |",
-        "|---|---|---|---|---|",
+        "- backward = median(fwd+bwd) - median(forward), back to back where measured; sdpa-flash = one flash "
+        "attention of the teacher's shape",
+        *host_markdown(host_rows, args),
     ]
+    if goals:
+        lines += ["", "## Targets (back to back)" if cuda else "## Targets", "",
+                  "| provider | target | value | goal | met |", "|---|---|---|---|---|"]
     for g in goals:
         met = "n/a" if g["met"] is None else ("met" if g["met"] else "NOT met")
         lines.append(f"| {g['provider']} | {g['target']} | {_fmt(g['value'], '.3f')} | {g['goal']} | {met} |")
@@ -511,7 +621,9 @@ def markdown(rows, env, goals, args, total_s) -> str:
                 shapes.append(shape)
         shapes.sort(key=lambda s: (s[4], s[3], MODES.index(s[7]), -1 if s[6] is None else s[6], s[5], s[1]))
         cols = [p for p in providers if any(r["provider"] == p for r in sec)]
-        for label, cell in (("time, ms", _cell_ms), ("memory, MiB (bytes per row, head)", _cell_mib)):
+        tables = [("time, ms, back to back", _cell_kernel_ms), ("time, ms, synchronized", _cell_ms)] if cuda else [
+            ("time, ms", _cell_ms)]
+        for label, cell in (*tables, ("memory, MiB (bytes per row, head)", _cell_mib)):
             lines += ["", f"## {titles[section]}: {label}", "",
                       "| B | N | H | D | causal | layout | sparsity | mode | " + " | ".join(cols) + " |",
                       "|" + "---|" * (8 + len(cols))]
@@ -548,7 +660,7 @@ def plots(rows, out: Path, name: str) -> list[str]:
         print(f"no plots: {exc}")
         return []
     sweep = [r for r in rows if r["section"] == "nsweep"]
-    providers = [p for p in PROVIDERS if any(r["provider"] == p and r["ms"] is not None for r in sweep)]
+    providers = [p for p in PROVIDERS if any(r["provider"] == p and kernel_ms(r) is not None for r in sweep)]
     written = []
 
     def series(provider, mode, causal, value):
@@ -581,13 +693,13 @@ def plots(rows, out: Path, name: str) -> list[str]:
             written.append(str(path))
         plt.close(fig)
 
-    grid(f"{name}_time.png", "median ms", lambda r, p, m: r["ms"])
+    grid(f"{name}_time.png", "median ms (back to back on the GPU)", lambda r, p, m: kernel_ms(r))
     grid(f"{name}_memory.png", "peak extra MiB",
          lambda r, p, m: None if r["peak_bytes"] is None else max(r["peak_bytes"], 1) / MIB)
 
     def speedup(r, p, mode):  # naive ms / provider ms at the same shape
         naive = _find(sweep, provider="naive", mode=mode, N=r["N"], causal=r["causal"], D=r["D"])
-        return None if naive is None or r["ms"] is None or p == "naive" else naive / r["ms"]
+        return None if naive is None or kernel_ms(r) is None or p == "naive" else naive / kernel_ms(r)
 
     grid(f"{name}_speedup.png", "speedup over naive (x)", speedup)
     return written
@@ -605,7 +717,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rep-ms", type=float, default=None, help="timed calls fill this many ms (50; 5 quick)")
     parser.add_argument("--warmup-ms", type=float, default=None, help="untimed calls after the first (10; 0 quick)")
-    parser.add_argument("--max-seconds", type=float, default=180.0, help="skip cases that would run past this")
+    parser.add_argument("--max-seconds", type=float, default=330.0, help="skip cases that would run past this")
     parser.add_argument("--max-call-ms", type=float, default=3000.0, help="skip a provider's larger N past this")
     parser.add_argument("--single-call-ms", type=float, default=200.0,
                         help="a call predicted slower than this (already compiled at a smaller N) is timed once")
@@ -615,9 +727,10 @@ def parse_args(argv=None):
                         help="time one naive-compile compilation is budgeted (skipped when it would not fit)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for naive-compile")
     parser.add_argument("--block", type=int, default=128, help="block size of the sparsity sweep")
-    parser.add_argument("--overlap-host", action="store_true",
-                        help="time calls enqueued back to back with one sync at the end (do_bench style; host "
-                             "time hidden), instead of synchronizing before every call")
+    parser.add_argument("--host-only", action="store_true", help="only the host time per call (writes suite_host.*)")
+    parser.add_argument("--no-host", action="store_true", help="skip the host time per call")
+    parser.add_argument("--host-repeats", type=int, default=None, help="timed calls per host-time cell (200; 3 quick)")
+    parser.add_argument("--host-heads", type=int, default=None, help="heads of the host-time calls (16; 2 quick)")
     parser.add_argument("--sdpa-any", action="store_true", help="let SDPA pick any backend (not only flash)")
     args = parser.parse_args(argv)
     return args
@@ -649,24 +762,26 @@ def main(argv=None) -> int:
     args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else (0.0 if args.quick else 10.0)
     if cpu and not args.quick:
         print("suite.py: a full run on the CPU takes very long; consider --quick.")
-    name = args.name or ("suite_quick" if args.quick else "suite")
+    args.host_repeats = args.host_repeats or (3 if args.quick else 200)
+    args.host_heads = args.host_heads or (2 if args.quick else 16)
+    name = args.name or ("suite_quick" if args.quick else "suite") + ("_host" if args.host_only else "")
     torch.manual_seed(0)
     env = environment(args)
     print(json.dumps(env), flush=True)
 
-    cases = build_cases(args)
-    rows = run_cases(cases, args)
-    goals = targets(rows, args)
+    host_rows = [] if args.no_host else run_host(args)
+    rows = [] if args.host_only else run_cases(build_cases(args), args)
+    goals = targets(rows, args) if rows else []
     total_s = time.perf_counter() - _START
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    md = markdown(rows, env, goals, args, total_s)
+    md = markdown(rows, host_rows, env, goals, args, total_s)
     (out / f"{name}.md").write_text(md)
     report = dict(environment=env, settings={k: v for k, v in vars(args).items() if k != "torch_dtype"},
-                  total_seconds=total_s, targets=goals, results=rows, plots=[])
+                  total_seconds=total_s, targets=goals, host=host_rows, results=rows, plots=[])
     (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))  # before plots can fail
     try:
-        written = plots(rows, out, name)
+        written = plots(rows, out, name) if rows else []
     except Exception as exc:  # noqa: BLE001 -- the numbers are already written
         print(f"plots failed: {type(exc).__name__}: {exc}")
         written = []

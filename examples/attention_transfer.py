@@ -21,7 +21,8 @@ key agreement and total variation distance.
     python examples/attention_transfer.py --device cuda --steps 3000 --tokens-per-step 32768 \\
         --max-len 256 --student-dim 16                          # GPU, the whole manual
 
-Outputs: report.json, report.md and loss.png in examples/results/attention_transfer/ (or --out).
+Outputs: report.json, report.md and loss.png in runs/attention_transfer/ (or --out; the committed
+reports are in examples/results/).
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--student-dim", type=int, default=8, help="student head dim (teacher: 32)")
     parser.add_argument("--max-len", type=int, default=128, help="paragraphs are truncated to this many tokens")
     parser.add_argument("--max-paragraphs", type=int, default=0, help="use at most this many paragraphs (0: all)")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
     parser.add_argument("--tokens-per-step", type=int, default=2048, help="packed tokens per training step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help=f"output dir (default examples/results/{SCRIPT}/)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation interval, steps")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--out", default=common.default_output(SCRIPT), help="output directory")
     parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests: few paragraphs, few steps")
     args = parser.parse_args(argv)
     if args.quick:

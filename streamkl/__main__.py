@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+#: The Triton release line the Gluon (Hopper) kernels are written against; other versions run the
+#: portable Triton kernels.
+GLUON_TRITON = "3.6"
 
 
 def info() -> str:
+    """The report `python -m streamkl info` prints: versions, device, each backend's status."""
     import os
 
     import torch
@@ -14,7 +20,8 @@ def info() -> str:
     from streamkl.dispatch import ENV_VAR, backend_report
 
     lines = [
-        f"streamkl {streamkl.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}",
+        f"streamkl {streamkl.__version__}, torch {torch.__version__}, triton {_triton_version() or 'not installed'}, "
+        f"python {sys.version.split()[0]}",
         f"CUDA device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
         f"${ENV_VAR}: {os.environ.get(ENV_VAR, '(unset)')}",
         "",
@@ -26,33 +33,45 @@ def info() -> str:
     return "\n".join(lines)
 
 
-def gluon_status() -> str:
-    """Whether the triton backend's Gluon kernels (Hopper) can run here, and how they are chosen."""
-    import os
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - not installed, or fails to import
+        return None
+    return str(triton.__version__)
 
+
+def gluon_status() -> str:
+    """Whether the triton backend's Gluon kernels (Hopper, triton 3.6) can run here."""
     import torch
 
-    where = f"$STREAMKL_GLUON: {os.environ.get('STREAMKL_GLUON', '(unset)')}; Gluon kernels (sm_90, triton 3.6): "
+    where = f"Gluon kernels (sm_90, triton {GLUON_TRITON}.x): "
+    if _triton_version() is None:
+        return where + "no (triton is not installed)"
     try:
-        from streamkl.backends.triton import gluon_forward
-    except Exception as exc:  # noqa: BLE001 - no triton, or one that fails to import
+        from streamkl.backends.triton.gluon import IMPORT_ERROR
+    except Exception as exc:  # noqa: BLE001 - a triton that fails to import
         return where + f"no ({type(exc).__name__}: {exc})"
-    if gluon_forward.GLUON_IMPORT_ERROR is not None:
-        return where + f"no ({gluon_forward.GLUON_IMPORT_ERROR})"
+    if IMPORT_ERROR is not None:
+        return where + f"no ({IMPORT_ERROR}; the portable Triton kernels run instead)"
     if not torch.cuda.is_available():
         return where + "no (no CUDA GPU is visible)"
     major, minor = torch.cuda.get_device_capability()
     if major != 9:
-        return where + f"no (this GPU is sm_{major}{minor})"
-    mode = {None: "where measured faster (the default)", True: "wherever they apply (forced)", False: "off"}
-    return where + "yes, " + mode[gluon_forward.setting()]
+        return where + f"no (this GPU is sm_{major}{minor}; the portable Triton kernels run)"
+    return where + "yes, where select.py chooses them (docs/kernels.md)"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] != ["info"]:
-        print("usage: python -m streamkl info", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(
+        prog="python -m streamkl", description="streamkl: fused, streaming KL between attention distributions."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="command")
+    commands.add_parser("info", help="versions, the CUDA device, and which backends are usable here and why not")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     print(info())
     return 0
 

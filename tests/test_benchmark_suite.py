@@ -22,7 +22,7 @@ def test_suite_quick_cpu(tmp_path):
         sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--quick", "--device", "cpu", "--out", str(tmp_path),
         "--compile-backend", "eager", "--rep-ms", "2",
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "suite_quick.json").read_text())
     assert report["environment"]["torch"] and report["environment"]["command"].startswith("python benchmarks/suite.py")
@@ -33,7 +33,12 @@ def test_suite_quick_cpu(tmp_path):
         assert row["error"] is None, row
         assert row["ms"] is not None and row["ms"] > 0, row
     assert {r["mode"] for r in rows} == {"forward", "fwd+bwd student", "fwd+bwd all"}
+    host = report["host"]
+    assert {(r["provider"], r["mode"]) for r in host} == {
+        ("streamkl-torch", mode) for mode in ("forward", "training forward", "backward")
+    }
+    assert all(r["error"] is None and r["host_us"] > 0 for r in host), host
     assert report["targets"] and all("met" in t for t in report["targets"])
     md = (tmp_path / "suite_quick.md").read_text()
-    assert "## Targets" in md and "| streamkl-torch |" in md
+    assert "## Targets" in md and "| streamkl-torch |" in md and "## Host time per call" in md
     assert (tmp_path / "suite_quick_time.png").exists()

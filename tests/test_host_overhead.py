@@ -17,7 +17,7 @@ import streamkl
 from streamkl import api
 from streamkl import autograd as kl_autograd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import host_overhead  # noqa: E402
 
 

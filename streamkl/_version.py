@@ -1,0 +1,3 @@
+"""The package version, read by pyproject.toml (setuptools dynamic version) and `streamkl.__version__`."""
+
+__version__ = "0.2.0"
