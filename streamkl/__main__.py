@@ -28,24 +28,21 @@ def info() -> str:
 
 def gluon_status() -> str:
     """Whether the triton backend's Gluon kernels (Hopper) can run here, and how they are chosen."""
-    import os
-
     import torch
 
-    where = f"$STREAMKL_GLUON: {os.environ.get('STREAMKL_GLUON', '(unset)')}; Gluon kernels (sm_90, triton 3.6): "
+    where = "Gluon kernels (sm_90, triton 3.6): "
     try:
-        from streamkl.backends.triton import gluon_forward
+        from streamkl.backends.triton.gluon import IMPORT_ERROR
     except Exception as exc:  # noqa: BLE001 - no triton, or one that fails to import
         return where + f"no ({type(exc).__name__}: {exc})"
-    if gluon_forward.GLUON_IMPORT_ERROR is not None:
-        return where + f"no ({gluon_forward.GLUON_IMPORT_ERROR})"
+    if IMPORT_ERROR is not None:
+        return where + f"no ({IMPORT_ERROR})"
     if not torch.cuda.is_available():
         return where + "no (no CUDA GPU is visible)"
     major, minor = torch.cuda.get_device_capability()
     if major != 9:
         return where + f"no (this GPU is sm_{major}{minor})"
-    mode = {None: "where measured faster (the default)", True: "wherever they apply (forced)", False: "off"}
-    return where + "yes, " + mode[gluon_forward.setting()]
+    return where + "yes, where measured faster (backends/triton/select.py)"
 
 
 def main(argv: list[str] | None = None) -> int:

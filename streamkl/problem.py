@@ -57,6 +57,27 @@ class Problem:
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
+    def host_cu(self) -> tuple | None:
+        """CPU copies of (cu_seqlens_q, cu_seqlens_k) where the value checks made them, else None."""
+        return self.extra.get("host_cu")
+
+    @property
+    def key(self) -> tuple:
+        """A hashable description of the problem for backends' caches: every structural field, and
+        the cu_seqlens / mask tensors by identity and version (a changed tensor is another key)."""
+
+        def tensor(t):
+            return None if t is None else (id(t), t._version)
+
+        def mask(m):
+            return None if m is None else (tensor(m.pattern), m.block_q, m.block_k)
+
+        return (self.batch, self.seqlen_q, self.seqlen_k, self.heads, self.heads_k1, self.heads_k2, self.dim1,
+                self.dim2, self.scale1, self.scale2, self.causal, self.window, self.dtype, str(self.device),
+                self.is_varlen, self.total_q, self.total_k, tensor(self.cu_seqlens_q), tensor(self.cu_seqlens_k),
+                mask(self.mask1), mask(self.mask2), self.deterministic)
+
+    @property
     def has_structural_mask(self) -> bool:
         return self.causal or self.window != (-1, -1)
 
