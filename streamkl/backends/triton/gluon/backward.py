@@ -237,3 +237,43 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         if chunk + 1 < chunks:
             pair.zero_()
     return dq1, dk1, dq2, dk2
+
+
+def compile_for_hopper(dtype=torch.bfloat16, dim: int = 128, causal: bool = False, listed: bool = False,
+                       varlen: bool = False, tail: bool = False, gqa2: bool = False, both: bool = False,
+                       g_one: bool = False):
+    """The backward compiled for sm_90a without a GPU (`common.compile_sm90`), with the variant
+    `constexprs` would choose for a problem of this description."""
+    from streamkl.backends.triton.gluon.common import compile_sm90
+
+    t = torch.empty(2, BLOCK_N, 4, dim, dtype=dtype)
+    accum = torch.empty(2, BLOCK_N, 4, dim)
+    descs = [flat_descriptor(t, rows) for rows in (BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N)]
+    stats = torch.empty(4, dtype=torch.float32)
+    cu = torch.zeros(3, dtype=torch.int32)
+    examples = dict(zip(("q1_desc", "k1_desc", "q2_desc", "k2_desc"), descs))
+    examples.update(LSE1=stats, LSE2=stats, GRAD=stats, DQ2=stats, DK2=t, dq_desc=flat_descriptor(accum, BLOCK_M,
+                    dq_layout(64)), DK1=t, EXPECT=stats, dq1_desc=flat_descriptor(accum, BLOCK_M, dq_layout(64)),
+                    G_SCALE=stats, CU_Q=cu, CU_K=cu, Q_COUNT=cu, Q_FULL=cu, Q_INDEX=cu,
+                    Q_FLAGS=torch.zeros(3, dtype=torch.int8), ORDER=cu)
+    for name in ("stride_sb", "stride_sh", "stride_gb", "stride_gh", "stride_dqb", "stride_dqn", "stride_dqh",
+                 "stride_dkb", "stride_dkn", "stride_dkh", "seqlen_q", "seqlen_k", "heads", "head_lo", "group1",
+                 "group2", "k_programs"):
+        examples[name] = 1024
+    for name in ("stride_cs", "stride_ch", "stride_ct", "stride_is", "stride_ih", "stride_it", "window_left",
+                 "window_right"):
+        examples[name] = 7
+    examples.update(stride_sn=1, stride_gn=1, scale1=0.5, scale2=0.5, out_scale2=0.5, out_scale1=0.5)
+    student = not both
+    diag = causal and not listed and not tail and not gqa2
+    split_rows = student and dim == 64 and not listed and (not causal or not (tail or gqa2))
+    stages = 2 if both else (6 if causal else 4) if split_rows else (3 if dim > 64 else 4)
+    kinds = dict(
+        D=dim, BLOCK_M=BLOCK_M, STAGES=stages, CAUSAL=causal, DS_LAYOUT=ds_shared_layout(dtype), LISTED=listed,
+        NORM_G=dtype == torch.float16, VARLEN=varlen, TAIL=tail, GQA2=gqa2, DQ_LAYOUT=dq_layout(64),
+        KEY_MAJOR=False, BOTH=both, DIAG=diag, ORDERED=listed, AHEAD=student, ROT=both and diag,
+        LSPLIT=listed and student, EARLY_P=student and dim == 64 and not causal and not listed,
+        DK_DEFER=student and dim == 64, G_ONE=g_one and dtype != torch.float16, DQ_RAW=student,
+        SPLIT_ROWS=split_rows,
+    )
+    return compile_sm90(_kl_bwd_gluon_kernel, examples, kinds)
