@@ -1,26 +1,23 @@
 """Triton backend (NVIDIA Ampere and Hopper): fused kernels walking the tile schedule.
 
-- forward.py: one program per (query tile, sequence, head) streams its key tiles once, keeping the
-  SPEC's five statistics per row: a branch-free loop over the schedule's full tiles, then a masked
-  loop over its partial ones (flags, no block-pattern loads); keys through TMA descriptors at
-  D <= 64 on Hopper. With few query tiles against long key lists (a small grid) the lists are cut
-  into slices (split-K) whose statistics are merged exactly afterwards.
-- backward.py: one side's gradients in one key-major pass (dk in registers, dq added into a
-  float32 buffer with atomics); both sides' gradients, or deterministic=True, in two atomic-free
-  kernels (query-major dq, key-major dk), bitwise reproducible. GQA sums stay inside programs.
-- common.py: element masks from the schedule flags, host-side argument packing, the launch helper.
-
-Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (tests, CI).
+- select.py: which kernel serves a problem and with which configuration (one place).
+- forward.py, backward.py: the portable kernels (tl.*), which also run on the CPU interpreter
+  (TRITON_INTERPRET=1: tests, CI).
+- gluon/: the Hopper kernels (warp-specialized, TMA, wgmma), where measured faster.
+- launch.py: launching through Triton's public API, and the per-problem plan cache.
+- common.py: masks, products, strides and device queries the kernels share; _compat.py: the
+  private Triton APIs used, version-gated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+
+import torch
 
 from streamkl.backends.base import Backend
 from streamkl.problem import Problem
-
-MAX_HEAD_DIM = 256
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,20 +53,21 @@ class TritonBackend(Backend):
     needs_cuda = True
     zeroes_empty_rows = True  # backward._row_stats
 
+    def __init__(self) -> None:
+        from streamkl.backends.triton.launch import PlanCache
+
+        self._plans = PlanCache(128)  # per-problem selections and launch plans
+
     def environment_reasons(self) -> list[str]:
         reason = _import_reason()
         if reason is not None:
             return [reason]
-        from streamkl.backends.triton.common import interpreting
+        from streamkl.backends.triton.common import capability, interpreting
 
         if interpreting():
             return []
-        import torch
-
         if not torch.cuda.is_available():
             return ["no CUDA GPU is visible (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"]
-        from streamkl.backends.triton.common import capability
-
         major, minor = capability(torch.cuda.current_device())
         if major < 8:
             return [f"the GPU has compute capability {major}.{minor}; the Triton kernels need 8.0 (Ampere) or newer"]
@@ -79,7 +77,7 @@ class TritonBackend(Backend):
         reasons = self.environment_reasons()
         if reasons:
             return reasons
-        from streamkl.backends.triton.common import interpreting
+        from streamkl.backends.triton.common import MAX_HEAD_DIM, interpreting
 
         if problem.device.type != "cuda" and not interpreting():
             reasons.append(f"inputs are on {problem.device}, not on a CUDA device")
@@ -95,36 +93,60 @@ class TritonBackend(Backend):
         return _tile_sizes(problem.dim1, problem.dim2, problem.dtype.itemsize, masks, interpreting())
 
     def forward(self, problem: Problem, q1, k1, q2, k2, schedule):
-        from streamkl.backends.triton.forward import kl_forward
+        from streamkl.backends.triton import forward, select
 
+        def make():
+            choice = select.select_forward(problem, schedule.block_q, schedule.block_k)
+            gluon_plan = None
+            if choice.gluon:
+                from streamkl.backends.triton.gluon import forward as gluon_forward
+
+                gluon_plan = gluon_forward.plan(problem, schedule)
+            return problem, choice, forward.plan(problem, choice, schedule), gluon_plan
+
+        _, choice, plan, gluon_plan = self._plans.get(("forward", problem.key, schedule.block_q, schedule.block_k),
+                                                      make)
         with _inputs_device(problem):
-            return kl_forward(problem, q1, k1, q2, k2, schedule)
+            if gluon_plan is not None and select.tma_inputs(q1, k1, q2, k2):
+                from streamkl.backends.triton.gluon import forward as gluon_forward
 
-    def forward_launcher(self, problem: Problem, schedule):
-        from streamkl.backends.triton.forward import forward_launcher
-
-        return forward_launcher(problem, schedule) or super().forward_launcher(problem, schedule)
-
-    def backward_launcher(self, problem: Problem, schedule, needs):
-        from streamkl.backends.triton.gluon_backward import backward_launcher
-
-        return backward_launcher(problem, schedule, needs)
+                return gluon_forward.kl_forward(problem, gluon_plan, q1, k1, q2, k2)
+            return forward.kl_forward(problem, choice, plan, q1, k1, q2, k2)
 
     def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
-        from streamkl.backends.triton.backward import kl_backward
+        from streamkl.backends.triton import backward, select
 
+        if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
+            return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
+        deterministic = problem.deterministic or torch.are_deterministic_algorithms_enabled()
+        key = ("backward", problem.key, schedule.block_q, schedule.block_k, tuple(needs), deterministic)
+        _, choice = self._plans.get(key, lambda: (problem, select.select_backward(
+            problem, schedule.block_q, schedule.block_k, tuple(needs), deterministic)))
         with _inputs_device(problem):
-            return kl_backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs)
+            if choice.kind.startswith("gluon") and select.tma_inputs(q1, k1, q2, k2):
+                from streamkl.backends.triton.gluon import backward as gluon_backward
+
+                return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows.float(),
+                                                  schedule, choice.kind == "gluon-both", choice.chunks)
+            if choice.kind.startswith("gluon"):  # inputs the descriptors cannot read: the portable kernels
+                choice = _portable(problem, schedule, needs, deterministic)
+            return backward.kl_backward(problem, choice, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule,
+                                        tuple(needs))
+
+
+def _portable(problem: Problem, schedule, needs, deterministic: bool):
+    """The portable kernels' choice where a Gluon kernel was chosen but the call's inputs are not
+    contiguous or aligned."""
+    from streamkl.backends.triton import select
+
+    return select.select_backward(problem, schedule.block_q, schedule.block_k, tuple(needs), deterministic,
+                                  gluon=False)
 
 
 def _inputs_device(problem: Problem):
     """The inputs' GPU as the current device while launching: Triton launches on the current
     device's current stream, so inputs on another GPU (cuda:1 while cuda:0 is current) would be
     read from the wrong device. A no-op (no context switch) when they are on the current one."""
-    import contextlib
-
-    import torch
-
     device = problem.device
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)

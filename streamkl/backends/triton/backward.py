@@ -1,16 +1,15 @@
-"""The backward: scores recomputed tile by tile from the saved (lse1, lse2, E).
+"""The portable backward kernels (tl.*): scores recomputed tile by tile from the saved (lse1, lse2, E).
 
-One side's gradients (a detached teacher, the usual distillation), by default: one key-major
-kernel over the transposed schedule. A program owns one key tile (of one sequence and key head,
-looping over the query heads that share it: GQA sums stay inside), streams the query tiles that
-visit it, accumulates dk in registers and adds each tile's dq contribution into a float32 buffer
-with atomics: the scores are computed once.
+One side's gradients (a detached teacher, the usual distillation): one key-major kernel over the
+transposed schedule. A program owns one key tile (of one sequence and key head, looping over the
+query heads that share it: GQA sums stay inside), streams the query tiles that visit it,
+accumulates dk in registers and adds each tile's dq into a float32 buffer with atomics (TMA bulk
+reductions on Hopper): the scores are computed once.
 
 Both sides' gradients, or `deterministic=True`: two kernels that own disjoint outputs, no atomics,
-bitwise-reproducible gradients: `_kl_bwd_dq_kernel` (query-major, dq1, dq2) and the same
-key-major kernel without its dq part (dk1, dk2). The scores are computed twice; with both sides'
-gradients this measured faster on the H200 than the atomic pass, whose two dk accumulators crowd
-the registers.
+bitwise-reproducible gradients: `_kl_bwd_dq_kernel` (query-major, dq1, dq2) and the key-major
+kernel without its dq part (dk1, dk2). The scores are computed twice; with two dk accumulators
+the atomic pass crowds the registers and measured slower.
 
 With d = s1 - s2 (0 off side 1's support), p = exp(s1 - lse1), q = exp(s2 - lse2) and the row's
 upstream gradient g:  dS1 = g * p * (d - E),  dS2 = g * (q - p);  dq = scale * dS @ k,
@@ -20,14 +19,11 @@ its score recomputation. Full tiles (listed first by the schedule) run without a
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from streamkl.backends.base import empty_rows_to_zero
-from streamkl.backends.triton import gluon_backward
 from streamkl.backends.triton.common import (
     _INTERPRET,
     LN2_K,
@@ -36,26 +32,21 @@ from streamkl.backends.triton.common import (
     _partial_allowed,
     _sequence_span,
     broadcast_strides,
-    capability,
     check_tiles,
-    device_index,
     dim_blocks,
     even_dims,
-    fast_descriptor,
     group_sizes,
     head_strides,
-    interpreting,
-    launch,
     log2_scales,
     num_k_tiles,
     num_q_tiles,
-    pipeline_stages,
     row_strides,
     stat_strides,
     varlen_args,
     window_bounds,
 )
-from streamkl.backends.triton.forward import _multiprocessors
+from streamkl.backends.triton.launch import launch
+from streamkl.backends.triton.select import Backward
 from streamkl.problem import Problem
 from streamkl.sparse.schedule import TileSchedule, get_key_schedule, get_schedule, heaviest_first
 
@@ -427,261 +418,39 @@ def _kl_bwd_kv_kernel(
         tl.store(p_dk2, b_dk2.to(DK2.dtype.element_ty), mask=m_j[:, None] & m_d2[None, :])
 
 
-def bwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, int]:
-    """(rows per dq program, num_warps, num_stages) of the deterministic dq kernel."""
-    if interpreting():
-        return block_q, 4, 1
-    block_d1, block_d2 = dim_blocks(problem)
-    block_d = max(block_d1, block_d2)
-    big = block_d > 128
-    rows = min(block_q, 32 if big else 64)
-    row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
-    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes)
-    warps = 8 if big else 4
-    if problem.dtype.itemsize == 2 and 64 < block_d <= 128:
-        # 128-row programs of 8 warps, 2 stages: both sides' gradients at D=128 1.38x -> 1.19x SDPA
-        # non-causal, 1.45x -> 1.21x causal (H200, tune_h200_round9.jsonl; 64 rows, 4 warps before)
-        rows, warps, stages = min(block_q, 128), 8, min(2, pipeline_stages(block_k * row_bytes, 128 * row_bytes))
-    rows, warps, stages = TUNE.get("dq", (rows, warps, stages))
-    return min(rows, block_q), warps, stages
-
-
-def dq_tiles(problem: Problem, block_q: int, block_k: int) -> tuple[int, int]:
-    """(block_q, block_k) of the query-major dq kernel's schedule (both sides' gradients, or
-    deterministic): its own at 16-bit head dims 65-128, else the key-major kernel's; within the
-    mask blocks."""
-    if interpreting():
-        return block_q, block_k
-    if "dq_tiles" in TUNE:
-        dq_q, dq_k = TUNE["dq_tiles"]
-    elif problem.dtype.itemsize == 2 and 64 < max(dim_blocks(problem)) <= 128:
-        dq_q, dq_k = 128, 64  # with bwd_config's 128-row programs (measured with both sides' gradients)
-    else:
-        return block_q, block_k
-    for mask in (problem.mask1, problem.mask2):
-        if mask is not None:
-            dq_q, dq_k = min(dq_q, mask.block_q), min(dq_k, mask.block_k)
-    return dq_q, dq_k
-
-
-def _two_programs_per_sm(problem: Problem, block_d: int) -> bool:
-    """One side's gradients at head dims 65-128 without causality or window: 64-row query tiles,
-    4 warps and one pipeline stage, so two programs share a multiprocessor (one's exponentials
-    overlap the other's products). Measured on the H200 (bf16, D=128, student, N=16K,
-    tune_h200_round7.jsonl): 0.86x SDPA against 0.97x for 128-row tiles of 8 warps; with
-    causality the 128-row tiles stay faster (0.88x against 0.90x). Block masks (whose tiles are
-    whole, like dense ones) take it too: all blocks on, forward + backward 25.2 -> 22.6 ms
-    (suite_sparsity.md); at 90 % sparsity unchanged (3.4-3.5 ms, host-bound)."""
-    return 64 < block_d <= 128 and not problem.has_structural_mask
-
-
-def bwd_tiles(problem: Problem, schedule: TileSchedule, two_sides: bool) -> tuple[int, int]:
-    """(block_q, block_k) of the backward's schedule, within the mask blocks. The key-major kernel
-    keeps a key tile and streams query tiles: with one side's gradients it wants 128 keys; with
-    both sides' (two dk accumulators, and the two-kernel path) 64 keys, whose registers fit."""
-    if interpreting():
-        return schedule.block_q, schedule.block_k
-    block_q, block_k = schedule.block_q, schedule.block_k
-    block_d = max(dim_blocks(problem))
-    if problem.dtype.itemsize == 2 and block_d <= 128:  # measured on the H200
-        if two_sides:
-            block_q, block_k = TUNE.get("kv_tiles2", (128, 64))
-        else:
-            small = block_d <= 64 or _two_programs_per_sm(problem, block_d)
-            block_q, block_k = TUNE.get("kv_tiles", (64, 128) if small else (128, 128))
-    for mask in (problem.mask1, problem.mask2):
-        if mask is not None:
-            block_q, block_k = min(block_q, mask.block_q), min(block_k, mask.block_k)
-    return block_q, block_k
-
-
-def kv_config(problem: Problem, block_q: int, block_k: int, two_sides: bool = False) -> tuple[int, int]:
-    """(num_warps, num_stages) of the key-major kernel, which streams query tiles."""
-    if interpreting():
-        return 4, 1
-    block_d1, block_d2 = dim_blocks(problem)
-    block_d = max(block_d1, block_d2)
-    row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize
-    if problem.dtype.itemsize != 2 or block_d > 128:  # the first session's configuration (not re-tuned)
-        return 4 if block_d <= 64 else 8, pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2)
-    if block_q == 64 and not two_sides and _two_programs_per_sm(problem, block_d) and "kv" not in TUNE:
-        return 4, 1
-    stages = pipeline_stages(block_q * row_bytes, block_k * row_bytes, most=2, budget=200 * 1024)
-    return TUNE.get("kv", (8 if block_q * block_k * block_d > 64 * 128 * 64 else 4, stages))
-
-
-def arithmetic(problem: Problem) -> dict:
-    """FOLD of the score arithmetic (`_tile_dscores`) for 16-bit inputs; float32 keeps s = r * scale
-    first. The exponent arguments r * scale - lse need no sign condition."""
-    return dict(FOLD=problem.dtype.itemsize == 2 and bool(TUNE.get("fold", True)))
-
-
-#: GPU tuning overrides (benchmarks/tune_h200.py): "dq" -> (rows, warps, stages),
-#: "kv_tiles" / "kv_tiles2" -> (block_q, block_k) for one side's / both sides' gradients,
-#: "kv" -> (warps, stages), "fold" -> bool, "dq_tma" -> bool, "dq_tiles" -> (block_q, block_k) of the
-#: dq kernel, "atomic2" -> bool (both sides' gradients through the atomic key-major pass instead of the
-#: two kernels: measured slower in every tiling, tune_h200_round9.jsonl).
-TUNE: dict = {}
-
-
-def _grad_buffer(t: torch.Tensor, varlen: bool, dtype=None) -> torch.Tensor:
+def _grad_buffer(t: torch.Tensor, varlen: bool) -> torch.Tensor:
     # varlen rows past cu_seqlens[-1] are never visited: they start at 0
-    dtype = t.dtype if dtype is None else dtype
     if varlen:
-        return torch.zeros(t.shape, dtype=dtype, device=t.device)
-    return torch.empty(t.shape, dtype=dtype, device=t.device)
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _heads(t: torch.Tensor | None, varlen: bool, lo: int, hi: int, stat: bool = False):
-    """The heads [lo, hi) of an input / gradient ([B, N, H, ...] or [T, H, ...]) or, with `stat`,
-    of a statistic ([B, H, N] or [H, T]): a view."""
-    if t is None:
-        return None
-    if stat:
-        return t[lo:hi] if varlen else t[:, lo:hi]
+def _heads(t: torch.Tensor, varlen: bool, lo: int, hi: int) -> torch.Tensor:
+    """The heads [lo, hi) of an input or gradient ([B, N, H, ...] or [T, H, ...]): a view."""
     return t[:, lo:hi] if varlen else t[:, :, lo:hi]
 
 
-#: Bulk tensor-memory (TMA) reductions for the atomic pass's dq on Hopper or newer GPUs, head dims
-#: up to 128 that equal their block; TUNE["dq_tma"] overrides. Measured on the H200 (bf16, N=16K,
-#: tune_h200_round5.jsonl): student backward 1.090 -> 1.028x SDPA at D=128, 0.907 -> 0.903 causal;
-#: D=64 0.643 -> 0.624, causal 0.768 -> 0.725. Element atomics stay for other head dims and the
-#: interpreter (which has no descriptor reductions).
-DQ_TMA = True
-
-
-#: Tests: True adds dq through descriptors wherever the layout allows, the interpreter too (whose
-#: kernel then emulates the bulk reduction: a whole-tile add clipped at the tensor's edge), False
-#: never; None follows DQ_TMA / TUNE on Hopper or newer GPUs.
-DQ_TMA_OVERRIDE: bool | None = None
-
-
 def dq_descriptors(problem: Problem, accum: tuple, block_q: int):
-    """2-D [tokens, heads * dim] descriptors of the float32 dq accumulators (None for a side
-    without one), or None where the bulk reductions do not apply: switched off, the interpreter
-    (which has no descriptor reductions), not Hopper or newer, head dims not equal to their blocks."""
-    if DQ_TMA_OVERRIDE is not None:
-        if not DQ_TMA_OVERRIDE:
-            return None
-    elif not TUNE.get("dq_tma", DQ_TMA) or interpreting() or problem.device.type != "cuda":
-        return None
-    elif capability(device_index(problem))[0] < 9:
-        return None
-    if not even_dims(problem) or max(problem.dim1, problem.dim2) > 128:
-        return None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # pragma: no cover - older triton
-        return None
+    """2-D [tokens, heads * dim] TMA descriptors of the float32 dq accumulators (None for a side
+    without one), or None where an accumulator is shorter than a box."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     descs = []
     for a, dim in zip(accum, (problem.dim1, problem.dim2)):
         if a is None:
-            descs.append(a)
+            descs.append(None)
             continue
         width = a.shape[-2] * dim  # contiguous, aligned float32: allocated here
         if a.numel() < block_q * width:
             return None
-        descs.append(fast_descriptor(TensorDescriptor, a, width, [block_q, dim]))
+        descs.append(TensorDescriptor(a, [a.numel() // width, width], [width, 1], [block_q, dim]))
     return descs
 
 
-#: float16 backward: the upstream row gradient's largest magnitude after rescaling (`kl_backward`).
-#: Measured under the interpreter (float16, D=128, causal, mean reduction, N=512, H=8, student
-#: gradients): relative L2 error against float64 4.4e-3 / 4.0e-3 (dq / dk), exactly the error of
-#: the float64 gradient rounded to float16 (its values sit in float16's subnormal range); without
-#: the rescaling 7.7e-3, with the softmax scale folded into dS (this session's first version) 7e-2.
+#: float16 backward: the upstream row gradient's largest magnitude after rescaling
+#: (`rescaled_upstream`): float16 student gradients at N=512, H=8 then match float64 rounded to
+#: float16 (4e-3 relative L2); without it 7.7e-3.
 G_PEAK = 64.0
-
-
-@triton.jit
-def _flush_dq_kernel(A1, A2, O1, O2, rows, width, stride_or, col0, scale, SCALE_T,
-                     TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
-                     SCALE_PTR: tl.constexpr):
-    """One or two float32 dq accumulators [rows, width] (contiguous) into their heads' columns of the
-    16-bit gradients [rows, stride_or] from column col0; SCALED: the first times `scale` (and with
-    SCALE_PTR times the value at SCALE_T)."""
-    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    o_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = (o_r < rows)[:, None] & (o_c < width)[None, :]
-    o_a = o_r.to(tl.int64)[:, None] * width + o_c[None, :]
-    o_o = o_r.to(tl.int64)[:, None] * stride_or + col0 + o_c[None, :]
-    x = tl.load(A1 + o_a, mask=m, other=0.0)
-    if SCALED:
-        if SCALE_PTR:
-            scale = scale * tl.load(SCALE_T)
-        x = x * scale
-    tl.store(O1 + o_o, x.to(O1.dtype.element_ty), mask=m)
-    if TWO:
-        y = tl.load(A2 + o_a, mask=m, other=0.0)
-        tl.store(O2 + o_o, y.to(O2.dtype.element_ty), mask=m)
-
-
-def flush_dq(accums, outs, head_lo: int, scale=None) -> bool:
-    """Write one or two float32 dq accumulators [..., heads_chunk, D] into the 16-bit gradients'
-    heads from `head_lo` [..., H, D] in one launch (a head chunk's `out[..., lo:hi, :].copy_(a)`
-    for each): one launch where there were two, vectorized where the strided copy was not.
-    Contiguous tensors only: False (nothing done) otherwise. `scale`: (a float, a tensor whose
-    first element multiplies it, or None), the first accumulator's factor (one accumulator only).
-
-    (A first version also zeroed the accumulators behind it for the next chunk: on the H200 its
-    build with two accumulators left some rows' outputs 0, though the interpreter and the Gluon
-    simulator ran it right. Its TTGIR shows why: the zero stores got another layout than the loads
-    (fp32 [1, 4] per thread on 2 x 2 warps against [1, 8] on 4 x 1), so a thread could zero an
-    element before the thread that loads it had, and Triton orders neither within a program: a
-    read-then-write of the same global addresses in one program needs one layout or a barrier.
-    Removed: the caller zeroes the accumulators, thirteenth session.)"""
-    from streamkl.backends.triton.common import cdiv, direct_launch
-
-    a1, o1 = accums[0], outs[0]
-    two = len(accums) == 2
-    if not all(t.is_contiguous() for t in (*accums, *outs)):
-        return False
-    dim = a1.shape[-1]
-    width = a1.shape[-2] * dim
-    rows = a1.numel() // width if width else 0
-    if rows == 0:
-        return True
-    block_r, block_c = 16, 256
-    grid = (cdiv(rows, block_r), cdiv(width, block_c))
-    assert scale is None or not two
-    scale_t = None if scale is None else scale[1]
-    args = (a1, accums[1] if two else a1, o1, outs[1] if two else o1, rows, width, o1.shape[-2] * dim,
-            head_lo * dim, 1.0 if scale is None else float(scale[0]), a1 if scale_t is None else scale_t)
-    constexprs = dict(TWO=two, BLOCK_R=block_r, BLOCK_C=block_c, SCALED=scale is not None,
-                      SCALE_PTR=scale_t is not None)
-    if interpreting():  # (the tests without a GPU)
-        _flush_dq_kernel[grid](*args, **constexprs, num_warps=4)
-    else:
-        direct_launch(_flush_dq_kernel, grid, args, constexprs, 4)
-    return True
-
-
-#: Tests: force the number of head chunks of the atomic pass (None: `atomic_head_chunks` decides).
-CHUNKS_OVERRIDE: int | None = None
-
-
-def atomic_head_chunks(problem: Problem, k_programs: int, group_drive: int) -> int:
-    """Head chunks of the atomic pass: its float32 dq accumulator holds one chunk at a time, so the
-    backward's extra memory stays under the size of the gradients it returns (a whole-tensor
-    accumulator is 2x the 16-bit dq: with dk, as large as both gradients). Two chunks halve it, and
-    are used only where each chunk's launch still fills the GPU three times over. Chunks hold whole
-    GQA groups of both sides. Measured on the H200 (bf16, D=128, H=16, tune_h200_round7.jsonl):
-    two chunks cost 0-1 % from N=8K up without causality, 2 % causal at 16K, 12 % causal at 8K;
-    at 4K (256 programs a chunk, kept whole) they would cost 18 % / 78 %."""
-    unit = math.lcm(*group_sizes(problem))
-    if CHUNKS_OVERRIDE is not None:
-        chunks = CHUNKS_OVERRIDE
-    elif interpreting() or problem.device.type != "cuda" or problem.dtype.itemsize != 2:
-        return 1
-    else:
-        chunks = 2
-        programs = k_programs * problem.batch * (problem.heads // chunks) // group_drive
-        if programs < 3 * _multiprocessors(device_index(problem)):
-            return 1
-    heads_units = problem.heads // unit
-    while chunks > 1 and heads_units % chunks:
-        chunks -= 1
-    return max(chunks, 1)
 
 
 def rescaled_upstream(problem: Problem, grad_rows: torch.Tensor, lse1: torch.Tensor):
@@ -702,26 +471,15 @@ def rescaled_upstream(problem: Problem, grad_rows: torch.Tensor, lse1: torch.Ten
     return grad_rows / g_scale, g_scale
 
 
-def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule: TileSchedule, needs):
-    """Launch the backward: (dq1, dk1, dq2, dk2) in the input dtype, None where not needed."""
+
+
+def kl_backward(problem: Problem, choice: Backward, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
+                schedule: TileSchedule, needs: tuple):
+    """(dq1, dk1, dq2, dk2) in the input dtype, None where not needed (`choice`: "atomic" or
+    "two-kernels")."""
     varlen = problem.is_varlen
     need_dq1, need_dk1, need_dq2, need_dk2 = needs
-    # one side's gradients (a detached teacher, the usual distillation): one key-major pass with
-    # atomic dq; both sides': the two-kernel path, measured faster than the atomic pass there
-    two_sides = (need_dq1 or need_dk1) and (need_dq2 or need_dk2)
-    deterministic = problem.deterministic or torch.are_deterministic_algorithms_enabled()
-    atomic = not deterministic and (not two_sides or bool(TUNE.get("atomic2", False)))
-    if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
-        return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
-    # (which Gluon kernel served, kept for a planned call's backward launcher: `gluon_backward.backward_launcher`)
-    if gluon_backward.applies_both(problem, q1, k1, q2, k2, needs, deterministic):  # all four, one kernel (sm_90)
-        if not gluon_backward.listed(problem) or (schedule.block_q, schedule.block_k) == (128, gluon_backward.BLOCK_N):
-            problem.extra["gluon_backward_served"] = (schedule, tuple(needs), True)
-            return gluon_backward.kl_backward_both(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule)
-    if gluon_backward.chosen(problem, q1, k1, q2, k2, needs, deterministic):  # sm_90 (gluon_backward.py)
-        if not gluon_backward.listed(problem) or (schedule.block_q, schedule.block_k) == (128, gluon_backward.BLOCK_N):
-            problem.extra["gluon_backward_served"] = (schedule, tuple(needs), False)
-            return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, grad_rows, schedule)
+    atomic = choice.kind == "atomic"
     dk1 = _grad_buffer(k1, varlen) if need_dk1 else None
     dk2 = _grad_buffer(k2, varlen) if need_dk2 else None
     grad_rows, g_scale = rescaled_upstream(problem, grad_rows, lse1)
@@ -730,29 +488,27 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     scale1, scale2 = log2_scales(problem)
     left, right = window_bounds(problem)
     cu_q, cu_k = varlen_args(problem, schedule.kv_count)
-    ieee = problem.dtype == torch.float32
-    flags = dict(BLOCK_D1=block_d1, BLOCK_D2=block_d2, USE_VARLEN=varlen, EVEN_D=even_dims(problem), IEEE=ieee,
-                 NORM_G=g_scale is not None, **arithmetic(problem))
+    flags = dict(BLOCK_D1=block_d1, BLOCK_D2=block_d2, USE_VARLEN=varlen, EVEN_D=even_dims(problem),
+                 IEEE=problem.dtype == torch.float32, NORM_G=g_scale is not None, FOLD=problem.dtype.itemsize == 2)
     placeholder = lse1  # any tensor, for the pointers of gradients not asked for
     g_scale = placeholder if g_scale is None else g_scale
 
     def out_strides(t):
         return head_strides(t, varlen) if t is not None else (0, 0, 0)
 
-    block_q, block_k = bwd_tiles(problem, schedule, two_sides)
+    block_q, block_k = choice.block_q, choice.block_k
     if (block_q, block_k) != (schedule.block_q, schedule.block_k):
         schedule = get_schedule(problem, block_q, block_k)
+    dq1 = dq2 = None
     if not atomic:
         dq1 = _grad_buffer(q1, varlen) if need_dq1 else None
         dq2 = _grad_buffer(q2, varlen) if need_dq2 else None
     if not atomic and (need_dq1 or need_dq2):
-        dq_q, dq_k = dq_tiles(problem, block_q, block_k)
+        dq_q, dq_k = choice.dq_block_q, choice.dq_block_k
         dq_schedule = schedule if (dq_q, dq_k) == (block_q, block_k) else get_schedule(problem, dq_q, dq_k)
         check_tiles(problem, dq_q, dq_k)
-        rows, num_warps, num_stages = bwd_config(problem, dq_q, dq_k)
-        sub_tiles = dq_q // rows
+        sub_tiles = dq_q // choice.dq_rows
         q_programs = num_q_tiles(problem, dq_q) * sub_tiles
-        grid = (q_programs * problem.batch * problem.heads,)
         args = (
             q1, k1, q2, k2, lse1, lse2, expect, grad_rows, g_scale,
             placeholder if dq1 is None else dq1, placeholder if dq2 is None else dq2,
@@ -764,11 +520,11 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             *broadcast_strides(dq_schedule.kv_count), *broadcast_strides(dq_schedule.kv_index)[:3],
             problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
             scale1, scale2, left, right, problem.dim1, problem.dim2, q_programs,
-        )
-        constexprs = dict(SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=dq_k, NEED_DQ1=need_dq1, NEED_DQ2=need_dq2,
-                          **flags)
-        launch(_kl_bwd_dq_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps, num_stages,
-               **constexprs)
+        )  # fmt: skip
+        constexprs = dict(SUB_TILES=sub_tiles, BLOCK_Q=choice.dq_rows, BLOCK_K=dq_k, NEED_DQ1=need_dq1,
+                          NEED_DQ2=need_dq2, **flags)
+        launch(_kl_bwd_dq_kernel, (q_programs * problem.batch * problem.heads,), args, choice.dq_warps,
+               choice.dq_stages, constexprs)
 
     side1 = need_dk1 or (atomic and need_dq1)
     side2 = need_dk2 or (atomic and need_dq2)
@@ -776,17 +532,14 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         return dq1, dk1, dq2, dk2
     check_tiles(problem, block_q, block_k)
     keys = get_key_schedule(schedule)
-    # block masks or a window: key tiles differ in their query tiles (`gluon_backward.HEAVY_FIRST`)
-    schedule_listed = gluon_backward.listed(problem)
     # one launch when both sides group query heads alike, else one per side
     if side1 and side2 and group1 != group2:
         launches = [(group1, True, False), (group2, False, True)]
     else:
         launches = [(group1 if side1 else group2, side1, side2)]
-    num_warps, num_stages = kv_config(problem, block_q, block_k, two_sides)
     k_programs = num_k_tiles(problem, block_k)
     tables = (keys.q_count, keys.q_full, keys.q_index, keys.q_partial)
-    chunks = atomic_head_chunks(problem, k_programs, launches[0][0]) if atomic else 1
+    chunks = choice.chunks
     per_chunk = problem.heads // chunks
     accum = (None, None)
     if atomic:  # float32 accumulators of one chunk of heads, every visit adds into them
@@ -797,8 +550,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         if chunks > 1:  # every row of every chunk is copied in, varlen tail rows included (zeros)
             dq1 = torch.empty_like(q1) if need_dq1 else None
             dq2 = torch.empty_like(q2) if need_dq2 else None
-    dq_descs = dq_descriptors(problem, accum, block_q) if atomic else None
-    # every launch (chunk) takes the whole tensors and its first head, so only these are computed once
+    dq_descs = dq_descriptors(problem, accum, block_q) if atomic and choice.dq_tma else None
+    # every launch (chunk) takes the whole tensors and its first head
     strides = (
         *head_strides(q1, varlen), *head_strides(k1, varlen), *head_strides(q2, varlen), *head_strides(k2, varlen),
         *row_strides(grad_rows, varlen), *stat_strides(lse1, varlen), *out_strides(dk1), *out_strides(dk2),
@@ -813,9 +566,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         for group_drive, on1, on2 in launches:
             atomic1, atomic2 = on1 and atomic and need_dq1, on2 and atomic and need_dq2
             grid = (k_programs * problem.batch * (per_chunk // group_drive),)
-            ordered = bool(gluon_backward.HEAVY_FIRST) and schedule_listed
             order = heaviest_first(keys.q_count, problem.batch, lo, per_chunk // group_drive, group_drive,
-                                   k_programs) if ordered else placeholder
+                                   k_programs) if choice.ordered else placeholder
             args = (
                 q1, k1, q2, k2, lse1, lse2, expect, grad_rows, g_scale,
                 dk1 if on1 and need_dk1 else placeholder, dk2 if on2 and need_dk2 else placeholder,
@@ -827,10 +579,10 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
             )
             constexprs = dict(
                 BLOCK_Q=block_q, BLOCK_K=block_k, NEED_DK1=on1 and need_dk1, NEED_DK2=on2 and need_dk2,
-                ATOMIC_DQ1=atomic1, ATOMIC_DQ2=atomic2, DQ_TMA=dq_descs is not None, ORDERED=ordered, **flags,
+                ATOMIC_DQ1=atomic1, ATOMIC_DQ2=atomic2, DQ_TMA=dq_descs is not None, ORDERED=choice.ordered,
+                **flags,
             )
-            launch(_kl_bwd_kv_kernel, grid, args, (problem.dtype, *sorted(constexprs.items())), num_warps,
-                   num_stages, **constexprs)
+            launch(_kl_bwd_kv_kernel, grid, args, choice.kv_warps, choice.kv_stages, constexprs)
         if atomic and chunks > 1:
             for out, a in zip((dq1, dq2), accum):
                 if a is not None:

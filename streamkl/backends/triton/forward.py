@@ -1,9 +1,15 @@
-"""The forward kernel: one program per (query tile, sequence * head), streaming its scheduled key
-tiles once and keeping the SPEC's five running statistics per row, plus the uncovered flag."""
+"""The portable forward kernel (tl.*, any NVIDIA GPU from Ampere on, and the CPU interpreter).
+
+One program per (query tile, sequence * head) streams its scheduled key tiles once, keeping the
+SPEC's five running statistics per row plus a flags word (uncovered, side-1 support): a
+branch-free loop over the schedule's full tiles, then a masked loop over its partial ones (the
+schedule's flags, no block-pattern loads). Keys through TMA descriptors at D <= 64 on Hopper.
+With few query tiles against long key lists the lists are cut into slices (split-K) whose raw
+statistics are merged exactly afterwards (`combine_splits`).
+"""
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -11,7 +17,6 @@ import triton
 import triton.language as tl
 
 from streamkl.backends.base import finalize_rows, new_outputs, write_tail_rows
-from streamkl.backends.triton import gluon_forward
 from streamkl.backends.triton.common import (
     LN2,
     LN2_K,
@@ -19,28 +24,21 @@ from streamkl.backends.triton.common import (
     _partial_allowed,
     _sequence_span,
     broadcast_strides,
-    capability,
     cdiv,
     check_tiles,
-    compiled_entry,
-    device_index,
     dim_blocks,
     even_dims,
-    fast_descriptor,
     group_sizes,
     head_strides,
-    interpreting,
-    launch,
-    launch_hooks_active,
     log2_scales,
     num_q_tiles,
-    pipeline_stages,
     row_strides,
-    run_compiled,
     stat_strides,
     varlen_args,
     window_bounds,
 )
+from streamkl.backends.triton.launch import launch
+from streamkl.backends.triton.select import Forward, tma_inputs
 from streamkl.problem import Problem
 from streamkl.sparse.schedule import TileSchedule
 
@@ -108,9 +106,8 @@ def _fwd_step(
     FOLD (full tiles, positive scales): the scale is folded into each exponent's argument (one FMA
     per score instead of a multiply and a subtract), row maxima are taken on the raw products, and
     the side-1 expectation accumulates e1 * (t1 - t2) with t = s - m, plus (m1 - m2) * sum(e1) per
-    row: the same sum of e1 * (s1 - s2), ~30 % fewer float32 operations per score (measured on the
-    H200: forward 6 % faster at D=128, 4 % at D=64). Packed float16 exponentials (`ex2.approx.f16x2`)
-    for one or both sides were measured slower (the conversions cost more than the exp unit saves)."""
+    row: the same sum of e1 * (s1 - s2), ~30 % fewer float32 operations per score. float32 inputs
+    keep the direct s1 - s2 of every score, exact to its last bits when the distributions agree."""
     o_j = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     b_r1, b_r2 = _fwd_scores(
         b_q1, b_q2, p_k1, p_k2, k_tile, len_k, k_start, stride_k1n, stride_k2n, m_d1, m_d2,
@@ -282,237 +279,92 @@ def _kl_fwd_kernel(
         tl.store(EXPECT + o_stat, b_expect, mask=m_i)
 
 
-def fwd_config(problem: Problem, block_q: int, block_k: int) -> tuple[int, int, int]:
-    """(rows per program, num_warps, num_stages) for the forward."""
-    if interpreting():
-        return block_q, 4, 1
+class Plan(NamedTuple):
+    """What the forward's launch takes that the call's tensors do not change."""
+
+    grid: tuple
+    tables: tuple  # cu_seqlens (or placeholders) and the schedule's four lists
+    scalars: tuple  # every argument after the inputs' head strides
+    constexprs: dict  # keys by pointers
+    tma_constexprs: dict  # keys through TMA descriptors
+
+
+def plan(problem: Problem, choice: Forward, schedule: TileSchedule) -> Plan:
+    varlen = problem.is_varlen
+    block_q, block_k = schedule.block_q, schedule.block_k
+    check_tiles(problem, block_q, block_k)
+    sub_tiles = block_q // choice.rows
     block_d1, block_d2 = dim_blocks(problem)
-    block_d = max(block_d1, block_d2)
-    big = block_d > 128
-    # 16-bit, D <= 64: the exp unit is the bound; 64-row programs of 4 warps, 3 stages measured
-    # fastest (1.00x / 0.98x SDPA non-causal / causal, against 1.02x / 1.05x with 2 stages)
-    small = block_d <= 64 and problem.dtype.itemsize == 2
-    rows = min(block_q, 64 if big or small else 128)
-    row_bytes = (block_d1 + block_d2) * problem.dtype.itemsize  # one query or key row, both sides
-    # 16-bit budgets measured on the H200; float32 keeps the first session's
-    budget = 200 * 1024 if problem.dtype.itemsize == 2 else 160 * 1024
-    stages = pipeline_stages(block_k * row_bytes, rows * row_bytes, most=3, budget=budget)
-    rows, warps, stages = TUNE.get("fwd", (rows, 8 if rows >= 128 or big else 4, stages))
-    return min(rows, block_q), warps, stages
-
-
-def arithmetic(problem: Problem) -> dict:
-    """FOLD of the score arithmetic (`_fwd_step`): row maxima are taken on the raw products, which
-    needs positive scales; used for 16-bit inputs only (float32 keeps the direct s1 - s2 of every
-    score, exact to its last bits when the two distributions nearly agree)."""
-    sixteen = problem.dtype.itemsize == 2
-    fold = sixteen and problem.scale1 > 0 and problem.scale2 > 0 and TUNE.get("fold", True)
-    return dict(FOLD=bool(fold))
-
-
-#: GPU tuning overrides (benchmarks/tune_h200.py): "fwd" -> (rows, warps, stages), "tma" -> bool,
-#: "fold" -> bool. Tried and measured slower on the H200 (tune_h200_round4.jsonl): the full-tile
-#: loop software-pipelined by hand (the next tile's products issued before this tile's
-#: exponentials): 1.69x SDPA with 128x128 tiles (registers spill), 1.11x with 128x64. Also slower
-#: (eighth session, tune_h200_round15.jsonl; the code is in commit acc03dc): a quarter to half of
-#: the full tiles' exponentials by a degree-5 polynomial on the FMA units (FlashAttention-4's
-#: trick): D=64 3.57 -> 3.83-4.47 ms. The D=64 loop is latency bound (from its SASS: the exp unit
-#: 65 % busy, issue 48 %), not exp bound, and the extra instructions lengthen it.
-TUNE: dict = {}
-#: Keys through TMA descriptors on Hopper and newer GPUs up to this head dim. Measured on the H200
-#: (benchmarks/results/tune_h200_round2.jsonl, N=16K bf16): D=64 1.18x -> 1.07x the SDPA forward
-#: (with 128-key tiles), D=128 0.94x -> 1.04x (slower), hence off above 64.
-TMA_MAX_DIM = 64
-#: Tests: True loads keys through descriptors wherever the layout allows (the interpreter too),
-#: False never; None follows TMA_MAX_DIM on Hopper or newer GPUs.
-TMA_OVERRIDE: bool | None = None
+    group1, group2 = group_sizes(problem)
+    scale1, scale2 = log2_scales(problem)
+    left, right = window_bounds(problem)
+    cu_q, cu_k = varlen_args(problem, schedule.kv_count)
+    q_programs = num_q_tiles(problem, block_q) * sub_tiles
+    grid = (q_programs * problem.batch * problem.heads,)
+    visits_per_split = cdiv(schedule.num_k_tiles, choice.splits)
+    part_strides = (0, 0)
+    if choice.splits > 1:
+        grid = (*grid, choice.splits)
+        part_strides = torch.empty((6, choice.splits, *problem.lse_shape), device="meta").stride()[:2]
+    kl_rows = torch.empty(problem.row_shape, device="meta")  # the outputs' strides (new_outputs)
+    lse = torch.empty(problem.lse_shape, device="meta")
+    scalars = (
+        *row_strides(kl_rows, varlen), *stat_strides(lse, varlen),
+        *broadcast_strides(schedule.kv_count), *broadcast_strides(schedule.kv_index)[:3],
+        problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
+        scale1, scale2, left, right, problem.dim1, problem.dim2,
+        q_programs, visits_per_split, *part_strides,
+    )  # fmt: skip
+    constexprs = dict(
+        SUB_TILES=sub_tiles, BLOCK_Q=choice.rows, BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2,
+        USE_VARLEN=varlen, DENSE_KEYS=problem.mask1 is None and problem.mask2 is None,
+        EVEN_D=even_dims(problem), IEEE=problem.dtype == torch.float32, SPLIT=choice.splits > 1,
+        USE_TMA=False, FOLD=choice.fold,
+    )
+    tables = (cu_q, cu_k, schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial)
+    return Plan(grid, tables, scalars, constexprs, dict(constexprs, USE_TMA=True))
 
 
 def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_k: int):
-    """Host-side TMA descriptors of both key tensors as 2-D [tokens, heads * dim], or None where
-    TMA does not apply: not Hopper or newer, the interpreter, head dims below their power-of-two
-    block (the box would read the next head), keys not contiguous or not 16-byte aligned."""
-    if TMA_OVERRIDE is not None:
-        if not TMA_OVERRIDE:
-            return None
-    elif not TUNE.get("tma", max(dim_blocks(problem)) <= TMA_MAX_DIM) or interpreting():
-        return None
-    elif problem.device.type != "cuda":
-        return None
-    elif capability(device_index(problem))[0] < 9:
-        return None
-    if not even_dims(problem):
-        return None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # pragma: no cover - older triton
+    """TMA descriptors of both key tensors as 2-D [tokens, heads * dim], or None where these keys
+    do not fit them (not contiguous or aligned, a box taller than the tensor)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not tma_inputs(k1, k2):
         return None
     descs = []
     for k, dim in ((k1, problem.dim1), (k2, problem.dim2)):
-        if not k.is_contiguous() or k.data_ptr() % 16 or (k.shape[-2] * dim * k.element_size()) % 16:
-            return None
         width = k.shape[-2] * dim
-        if k.numel() < block_k * width:  # a box taller than the tensor: keep to pointers
+        if (width * k.element_size()) % 16 or k.numel() < block_k * width:
             return None
-        descs.append(fast_descriptor(TensorDescriptor, k, width, [block_k, dim]))  # checked just above
-    return tuple(descs)
+        descs.append(TensorDescriptor(k, [k.numel() // width, width], [width, 1], [block_k, dim]))
+    return descs
 
 
-def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
-    """Launch the forward: (kl_rows, lse1, lse2, expect) as backends/base.py documents."""
-    if gluon_serves(problem, q1, k1, q2, k2, schedule):  # sm_90, 16-bit, D=128 (gluon_forward.py)
-        return gluon_forward.kl_forward(problem, q1, k1, q2, k2, schedule)
+def kl_forward(problem: Problem, choice: Forward, launch_plan: Plan, q1, k1, q2, k2):
+    """(kl_rows, lse1, lse2, expect) as backends/base.py documents."""
     varlen = problem.is_varlen
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     # every row of a sequence is written by its program; varlen rows past cu_seqlens[-1] are not
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)
     if kl_rows.numel() == 0:
         return kl_rows, lse1, lse2, expect
-
-    descs = key_descriptors(problem, k1, k2, schedule.block_k)
-    # the launch's configuration and scalars, kept with the problem (the front end hands a call
-    # with a validated call's metadata that call's Problem, `build_problem`) for its schedule, the
-    # module's switches and whether the keys go by TMA (their alignment decides, each call)
-    switches = (schedule, descs is not None, TMA_OVERRIDE, SPLIT_OVERRIDE, tuple(TUNE.items()), interpreting())
-    kept = problem.extra.get("forward_plan")
-    if kept is None or kept[0][0] is not schedule or kept[0][1:] != switches[1:]:
-        kept = problem.extra["forward_plan"] = (switches, _plan(problem, schedule, descs is not None))
-    plan = kept[1]
-    parts = lse1  # unused placeholder unless split
-    if plan.splits > 1:
-        parts = torch.empty((6, plan.splits, *problem.lse_shape), dtype=torch.float32, device=lse1.device)
+    block_k = launch_plan.constexprs["BLOCK_K"]
+    descs = key_descriptors(problem, k1, k2, block_k) if choice.tma_keys else None
+    parts = lse1  # a placeholder unless split
+    if choice.splits > 1:
+        parts = torch.empty((6, choice.splits, *problem.lse_shape), dtype=torch.float32, device=lse1.device)
     args = (
-        q1, k1, q2, k2,
-        kl_rows, lse1, lse2, expect,
-        parts,
-        *plan.tables,
-        *(descs or (k1, k2)),
-        *head_strides(q1, varlen), *head_strides(k1, varlen),
-        *head_strides(q2, varlen), *head_strides(k2, varlen),
-        *plan.scalars,
+        q1, k1, q2, k2, kl_rows, lse1, lse2, expect, parts, *launch_plan.tables, *(descs or (k1, k2)),
+        *head_strides(q1, varlen), *head_strides(k1, varlen), *head_strides(q2, varlen), *head_strides(k2, varlen),
+        *launch_plan.scalars,
     )
-    # the arguments' specializations (`direct_launch`'s key) are the plan's but for the inputs' strides
-    # and alignment (the outputs are new): with those the plan keeps the compiled kernel, launched
-    # through its own launcher without the key over all ~45 arguments
-    call = (q1.stride(), k1.stride(), q2.stride(), k2.stride(),
-            q1.data_ptr() & 15, k1.data_ptr() & 15, q2.data_ptr() & 15, k2.data_ptr() & 15)
-    entry = plan.compiled.get(call)
-    if entry is not None and not launch_hooks_active():
-        run_compiled(entry, plan.grid, args)
-    else:
-        compiled = launch(_kl_fwd_kernel, plan.grid, args, plan.config_key, plan.num_warps, plan.num_stages,
-                          **plan.constexprs)
-        made = compiled_entry(_kl_fwd_kernel, compiled, len(args), plan.constexprs)
-        if made is not None and len(plan.compiled) < 8:
-            plan.compiled[call] = made
-    if plan.splits > 1:
+    launch(_kl_fwd_kernel, launch_plan.grid, args, choice.num_warps, choice.num_stages,
+           launch_plan.tma_constexprs if descs is not None else launch_plan.constexprs)
+    if choice.splits > 1:
         combine_splits(problem, parts, kl_rows, lse1, lse2, expect)
         write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # the combine wrote the tail rows too
     return kl_rows, lse1, lse2, expect
-
-
-def forward_launcher(problem: Problem, schedule: TileSchedule):
-    """The Gluon forward's launcher (`gluon_forward.launcher`) where it served this problem over
-    this schedule with the current switches, else None (`Backend.forward_launcher`'s then)."""
-    kept = problem.extra.get("gluon_forward_plan")
-    if kept is None or kept[0] is not schedule:
-        return None
-    return gluon_forward.launcher(problem, kept)
-
-
-class _Plan(NamedTuple):
-    grid: tuple
-    splits: int
-    tables: tuple  # cu_seqlens (or placeholders) and the schedule's four lists
-    scalars: tuple  # every argument after the inputs' head strides
-    num_warps: int
-    num_stages: int
-    constexprs: dict
-    config_key: tuple
-    compiled: dict  # the compiled kernel (run_compiled's entry) by the call's input strides and alignment
-
-
-def _plan(problem: Problem, schedule: TileSchedule, use_tma: bool) -> _Plan:
-    """What the forward's launch takes that the call's tensors do not change."""
-    varlen = problem.is_varlen
-    block_q, block_k = schedule.block_q, schedule.block_k
-    rows, num_warps, num_stages = fwd_config(problem, block_q, block_k)
-    sub_tiles = block_q // rows
-    block_d1, block_d2 = dim_blocks(problem)
-    group1, group2 = group_sizes(problem)
-    scale1, scale2 = log2_scales(problem)
-    left, right = window_bounds(problem)
-    check_tiles(problem, block_q, block_k)
-    cu_q, cu_k = varlen_args(problem, schedule.kv_count)
-    count_strides = broadcast_strides(schedule.kv_count)
-    assert broadcast_strides(schedule.kv_full) == count_strides
-    index_strides = broadcast_strides(schedule.kv_index)[:3]
-    assert broadcast_strides(schedule.kv_partial)[:3] == index_strides
-    q_programs = num_q_tiles(problem, block_q) * sub_tiles
-    grid = (q_programs * problem.batch * problem.heads,)
-    splits = split_count(problem, grid[0], schedule.num_k_tiles)
-    visits_per_split = cdiv(schedule.num_k_tiles, splits)
-    splits = cdiv(schedule.num_k_tiles, visits_per_split)  # no split left without visits
-    part_strides = (0, 0)
-    if splits > 1:
-        grid = (*grid, splits)
-        part_strides = torch.empty((6, splits, *problem.lse_shape), device="meta").stride()[:2]
-    kl_rows = torch.empty(problem.row_shape, device="meta")  # the outputs' strides (new_outputs)
-    lse = torch.empty(problem.lse_shape, device="meta")
-    scalars = (
-        *row_strides(kl_rows, varlen), *stat_strides(lse, varlen),
-        *count_strides, *index_strides,
-        problem.seqlen_q, problem.seqlen_k, problem.heads, group1, group2,
-        scale1, scale2, left, right, problem.dim1, problem.dim2,
-        q_programs, visits_per_split, *part_strides,
-    )
-    constexprs = dict(
-        SUB_TILES=sub_tiles, BLOCK_Q=rows, BLOCK_K=block_k, BLOCK_D1=block_d1, BLOCK_D2=block_d2,
-        USE_VARLEN=varlen, DENSE_KEYS=problem.mask1 is None and problem.mask2 is None,
-        EVEN_D=even_dims(problem), IEEE=problem.dtype == torch.float32, SPLIT=splits > 1,
-        USE_TMA=use_tma, **arithmetic(problem),
-    )
-    tables = (cu_q, cu_k, schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial)
-    return _Plan(grid, splits, tables, scalars, num_warps, num_stages, constexprs,
-                 (problem.dtype, *sorted(constexprs.items())), {})
-
-
-def gluon_serves(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule) -> bool:
-    """Whether the warp-specialized Gluon forward runs this problem (`gluon_forward.chosen`), unless
-    its grid is one this kernel would split over the keys (a few query tiles against many keys: the
-    Gluon kernel has no split-K, and one program per query tile would leave the GPU idle), or its
-    block masks / window come with a schedule of other tiles than the kernel's 128 x 128."""
-    if not gluon_forward.chosen(problem, q1, k1, q2, k2):
-        return False
-    if gluon_forward.listed(problem) and (schedule.block_q, schedule.block_k) != (gluon_forward.BLOCK_M, 128):
-        return False
-    programs = cdiv(problem.seqlen_q, gluon_forward.BLOCK_M) * problem.batch * problem.heads
-    return split_count(problem, programs, cdiv(problem.seqlen_k, 128)) == 1
-
-
-# ---------------------------------------------------------------------------------- split-K
-#: Tests set this to force a number of key splits (the heuristic splits only small grids on a GPU).
-SPLIT_OVERRIDE: int | None = None
-
-
-@functools.lru_cache(maxsize=8)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def split_count(problem: Problem, programs: int, num_k_tiles: int) -> int:
-    """How many slices to cut each key-tile list into: > 1 only when the grid of query tiles fills
-    less than half the GPU (few query tiles against many keys), never below 4 tiles a slice.
-    Measured on the H200 (benchmarks/results/triton_h200_splitk.md): 16 programs against 2048 key
-    tiles, 17 slices, 2.6x faster; 128 programs, 3 slices, 7 % slower, hence the half-full rule."""
-    if SPLIT_OVERRIDE is not None:
-        return max(1, min(SPLIT_OVERRIDE, num_k_tiles))
-    if interpreting() or problem.device.type != "cuda":
-        return 1
-    sms = _multiprocessors(device_index(problem))
-    if 2 * programs > sms:
-        return 1
-    return max(1, min(cdiv(2 * sms, programs), num_k_tiles // 4, 64))
 
 
 def combine_splits(problem: Problem, parts: torch.Tensor, kl_rows, lse1, lse2, expect) -> None:
