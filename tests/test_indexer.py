@@ -110,6 +110,19 @@ def test_dense_layout(backend, case, stage):
     check_case(backend, inputs, causal=causal, topk_indices=topk)
 
 
+def test_strided_inputs(backend):
+    """Inputs with any strides and a contiguous last dim are taken as they are: (B, H, N, D) tensors'
+    transposes, slices of wider tensors."""
+    b, n, heads, dim = 2, 27, 4, 16
+    q = torch.randn(b, heads, n, dim, device=DEVICE).transpose(1, 2)
+    k = torch.randn(b, 2, n, dim, device=DEVICE).transpose(1, 2)
+    qi = torch.randn(b, n, 3, 8 + 5, device=DEVICE)[..., :8].requires_grad_()
+    ki = torch.randn(b, n, 2, 8, device=DEVICE)[:, :, 1].requires_grad_()
+    w = torch.randn(b, 3, n, device=DEVICE).transpose(1, 2).contiguous().requires_grad_()
+    topk = torch.randint(0, n, (b, n, 12), device=DEVICE, dtype=torch.int32)[..., ::2].contiguous()
+    check_case(backend, (q, k, qi, ki, w), causal=True, topk_indices=topk)
+
+
 @pytest.mark.parametrize("stage", ["dense", "topk"])
 @pytest.mark.parametrize("separate_keys", [False, True], ids=["cu_seqlens", "cu_seqlens_k"])
 def test_varlen(backend, stage, separate_keys):
