@@ -100,3 +100,87 @@ def reference_kl(q1, k1, q2, k2, **kwargs):
     lse1_parts.append(torch.full((problem.heads, tail), -torch.inf, dtype=torch.float64, device=q1.device))
     lse2_parts.append(lse1_parts[-1])
     return torch.cat(kl_parts), torch.cat(lse1_parts, dim=1), torch.cat(lse2_parts, dim=1)
+
+
+# ------------------------------------------------------------------------------ the indexer loss
+def _sequence_indexer_kl(q, k, qi, ki, w, lse, topk, scale: float, causal: bool):
+    """SPEC 8 for one sequence, float64: (loss [n], head_lse [H, n], index_lse [n])."""
+    len_q, heads, len_k = q.shape[0], q.shape[1], k.shape[0]
+    q, k, qi, ki, w = (t.double() for t in (q, k, qi, ki, w))
+    i = torch.arange(len_q, device=q.device)[:, None]
+    j = torch.arange(len_k, device=q.device)[None, :]
+    allowed = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed &= j <= i + len_k - len_q
+    if topk is not None:
+        chosen = torch.zeros(len_q, len_k + 1, dtype=torch.bool, device=q.device)
+        slots = topk.long()
+        chosen.scatter_(1, torch.where(slots < 0, len_k, slots), True)  # -1 -> a spare column
+        allowed &= chosen[:, :len_k]
+    empty = ~allowed.any(-1)  # [n]
+    scores = scale * torch.einsum("ihd,jhd->hij", q, _expand_heads(k, heads).transpose(0, 1))
+    scores = scores.masked_fill(~allowed, -torch.inf).masked_fill(empty[:, None], 0.0)
+    head_lse = torch.logsumexp(scores, -1) if lse is None else lse.double()  # [H, n]
+    probs = torch.where(allowed, torch.exp(scores - head_lse[..., None]), 0.0)
+    teacher = probs.mean(0)  # [n, m]
+    logits = torch.einsum("it,itj->ij", w, torch.einsum("itd,jd->itj", qi, ki).relu())
+    logits = logits.masked_fill(~allowed, -torch.inf).masked_fill(empty[:, None], 0.0)
+    index_lse = torch.logsumexp(logits, -1)
+    log_student = torch.where(allowed, logits - index_lse[:, None], 0.0)
+    positive = allowed & (teacher > 0)
+    log_teacher = torch.log(torch.where(positive, teacher, 1.0))
+    loss = torch.where(positive, teacher * (log_teacher - log_student), 0.0).sum(-1)
+    loss = loss.masked_fill(empty, 0.0)
+    if lse is None:
+        head_lse = head_lse.masked_fill(empty[None], -torch.inf)
+    return loss, head_lse, index_lse.masked_fill(empty, -torch.inf)
+
+
+def indexer_kl(q, k, qi, ki, w, *, scale=None, lse=None, causal=True, cu_seqlens=None, cu_seqlens_k=None,
+               topk_indices=None, return_lse=False):
+    """The DSA indexer loss of SPEC section 8 per query row, in float64, by materializing every
+    (row, key) matrix of each sequence; differentiable in qi, ki, w.
+
+    Takes `streamkl.indexer_kl`'s layouts (dense `(B, N, ...)`, or packed `(T, ...)` with
+    `cu_seqlens`); returns the loss rows `(B, Nq)` / `(T,)`, and with `return_lse` also the teacher's
+    per-head lse `(B, H, Nq)` / `(H, T)` (the given `lse` when one is passed) and the indexer's lse
+    `(B, Nq)` / `(T,)`, -inf on empty rows. No argument checks: feed it inputs `streamkl.indexer_kl`
+    accepts."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if cu_seqlens is None:
+        parts = [
+            _sequence_indexer_kl(q[b], k[b], qi[b], ki[b], w[b], None if lse is None else lse[b],
+                                 None if topk_indices is None else topk_indices[b], scale, causal)
+            for b in range(q.shape[0])
+        ]  # fmt: skip
+        if parts:
+            loss, head_lse, index_lse = (torch.stack([p[n] for p in parts]) for n in range(3))
+        else:
+            loss = index_lse = q.new_zeros((0, q.shape[1]), dtype=torch.float64)
+            head_lse = q.new_zeros((0, q.shape[2], q.shape[1]), dtype=torch.float64)
+    else:
+        starts_q = cu_seqlens.tolist()
+        starts_k = starts_q if cu_seqlens_k is None else cu_seqlens_k.tolist()
+        heads, total = q.shape[1], q.shape[0]
+        loss = q.new_zeros(total, dtype=torch.float64)
+        index_lse = torch.full((total,), -torch.inf, dtype=torch.float64, device=q.device)
+        head_lse = torch.full((heads, total), -torch.inf, dtype=torch.float64, device=q.device)
+        if lse is not None:
+            head_lse = lse.double().clone()
+        loss_parts, head_parts, index_parts = [], [], []
+        for seq in range(len(starts_q) - 1):
+            qa, qb, ka, kb = starts_q[seq], starts_q[seq + 1], starts_k[seq], starts_k[seq + 1]
+            part = _sequence_indexer_kl(
+                q[qa:qb], k[ka:kb], qi[qa:qb], ki[ka:kb], w[qa:qb], None if lse is None else lse[:, qa:qb],
+                None if topk_indices is None else topk_indices[qa:qb], scale, causal,
+            )  # fmt: skip
+            loss_parts.append(part[0])
+            head_parts.append(part[1])
+            index_parts.append(part[2])
+        tail = total - starts_q[-1]  # rows past cu_seqlens[-1]: loss 0, empty
+        loss = torch.cat([*loss_parts, loss[total - tail :]])
+        index_lse = torch.cat([*index_parts, index_lse[total - tail :]])
+        head_lse = torch.cat([*head_parts, head_lse[:, total - tail :]], dim=1)
+    if return_lse:
+        return loss, head_lse, index_lse
+    return loss
