@@ -166,77 +166,99 @@ def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]]
     return sel, [table[:-1] for table in tables]
 
 
-def _input_strides(problem, q, k, qi, ki, w) -> list[int]:
-    """(batch, token, head) strides of the inputs; batch 0 for packed (varlen) inputs."""
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy whose rows start on 16-byte boundaries (zero-padded last dim) when its strides
+    or base do not allow tensor-memory-accelerator loads (odd head dims, unaligned views)."""
+    size = t.element_size()
+    if t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(st * size % 16 == 0 for st in t.stride()[:-1]):
+        return t
+    width = -(-t.shape[-1] * size // 16) * 16 // size
+    padded = t.new_zeros((*t.shape[:-1], width))
+    padded[..., : t.shape[-1]] = t
+    return padded[..., : t.shape[-1]]
+
+
+def _descriptor(t: torch.Tensor, varlen: bool, rows: int, cols: int):
+    """A 4-D descriptor [B, N, heads, dim] of an input (packed: [1, T, ...]; indexer keys and w-less
+    tensors without a head dim get heads 1), loading [1, rows, 1, cols] boxes, zero past the ends."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = _tma_ready(t)
+    shape, strides = list(t.shape), list(t.stride())
+    if len(shape) == (2 if varlen else 3):  # one row per token (ki): a head dim of 1
+        shape.insert(-1, 1)
+        strides.insert(-1, strides[-2])
+    if varlen:
+        shape.insert(0, 1)
+        strides.insert(0, strides[0] * max(shape[1], 1))
+    return TensorDescriptor(t, shape, strides, [1, rows, 1, cols])
+
+
+def _sequence_args(problem, device):
+    spare = _placeholder(device)
     if problem.is_varlen:
-        return [0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1),
-                0, qi.stride(0), qi.stride(1), 0, ki.stride(0), 0, w.stride(0)]
-    return [q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            qi.stride(0), qi.stride(1), qi.stride(2), ki.stride(0), ki.stride(1), w.stride(0), w.stride(1)]
+        return problem.cu_seqlens_q, problem.cu_seqlens_k
+    return spare, spare
 
 
-def _common(problem, cfg: dict, tiles_q: int, tiles_k: int, topk_indices):
-    cu_q = problem.cu_seqlens_q if problem.is_varlen else None
-    cu_k = problem.cu_seqlens_k if problem.is_varlen else None
-    steps_k = max(problem.topk, 1).bit_length()
-    constants = dict(
-        DIM=problem.dim, BLOCK_D=_pow2(problem.dim), CAUSAL=problem.causal, VARLEN=problem.is_varlen,
-        TOPK=problem.topk > 0, IEEE=problem.dtype == torch.float32, INTERPRET=_interpreting(),
-        STEPS_K=steps_k, STEPS_N=cfg["BLOCK_N"].bit_length(), **cfg,
+def _constants(problem, cfg: dict) -> dict:
+    return dict(
+        BLOCK_D=_pow2(problem.dim), CAUSAL=problem.causal, VARLEN=problem.is_varlen, TOPK=problem.topk > 0,
+        IEEE=problem.dtype == torch.float32, INTERPRET=_interpreting(), STEPS_K=max(problem.topk, 1).bit_length(),
+        STEPS_N=cfg["BLOCK_N"].bit_length(), **cfg,
     )
-    return cu_q, cu_k, constants
 
 
 def _placeholder(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def _tiles(problem, cfg: dict) -> tuple[int, int]:
+    return -(-problem.seqlen_q // cfg["BLOCK_M"]), -(-problem.seqlen_k // cfg["BLOCK_N"])
+
+
 def forward(problem, q, k, qi, ki, w, lse, topk_indices):
     """(loss_rows, head_lse, index_lse) float32; see DSA_INTERFACE.md."""
     kernels = _kernels()
-    q, k, qi, ki, w = (_last_contiguous(t) for t in (q, k, qi, ki, w))
+    w = _last_contiguous(w)
     device = q.device
     varlen = problem.is_varlen
     row_shape = (problem.total_q,) if varlen else (problem.batch, problem.seqlen_q)
     lse_shape = (problem.heads, problem.total_q) if varlen else (problem.batch, problem.heads, problem.seqlen_q)
     loss, index_lse = _new(row_shape, device), _new(row_shape, device)
     cfg_lse, cfg_fwd = config(problem, "lse"), config(problem, "forward")
-    sel, tables = None, [None, None]
+    spare = _placeholder(device)
+    sel, tables = spare, [spare, spare]
     if problem.topk > 0:
         shapes = [(cfg_lse["BLOCK_M"], cfg_lse["BLOCK_N"]), (cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"])]
         sel, tables = selection(problem, topk_indices, shapes)
-    spare = _placeholder(device)
-    sel_arg = sel if sel is not None else spare
-    sel_stride = 0 if varlen or sel is None else problem.seqlen_q * problem.topk
-    strides = _input_strides(problem, q, k, qi, ki, w)
-    row_stride = 0 if varlen else problem.seqlen_q
+    sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
+    cu_q, cu_k = _sequence_args(problem, device)
+    block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
+    common = (problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k)
     if lse is not None:
-        head_lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+        head_lse = _last_contiguous(lse)
     else:
         head_lse = _new(lse_shape, device)
-        q_tiles = -(-problem.seqlen_q // cfg_lse["BLOCK_M"])
-        k_tiles = -(-problem.seqlen_k // cfg_lse["BLOCK_N"])
-        cu_q, cu_k, constants = _common(problem, cfg_lse, q_tiles, k_tiles, topk_indices)
+        q_tiles, k_tiles = _tiles(problem, cfg_lse)
         if q_tiles * problem.batch > 0:
             kernels._head_lse_kernel[(q_tiles * problem.batch * problem.heads,)](
-                q, k, head_lse, sel_arg, tables[0] if tables[0] is not None else spare,
-                cu_q if cu_q is not None else spare, cu_k if cu_k is not None else spare,
-                *strides[:6], 0 if varlen else head_lse.stride(0), head_lse.stride(-2), sel_stride,
-                problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
-                problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, **constants,
+                _descriptor(q, varlen, cfg_lse["BLOCK_M"], block_d), _descriptor(k, varlen, cfg_lse["BLOCK_N"], block_d),
+                head_lse, sel, tables[0], cu_q, cu_k,
+                0 if varlen else head_lse.stride(0), head_lse.stride(-2), sel_stride,
+                *common, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, **_constants(problem, cfg_lse),
             )
-    lse_strides = (0 if varlen else head_lse.stride(0), head_lse.stride(-2))
-    q_tiles = -(-problem.seqlen_q // cfg_fwd["BLOCK_M"])
-    k_tiles = -(-problem.seqlen_k // cfg_fwd["BLOCK_N"])
-    cu_q, cu_k, constants = _common(problem, cfg_fwd, q_tiles, k_tiles, topk_indices)
+    q_tiles, k_tiles = _tiles(problem, cfg_fwd)
     if q_tiles * problem.batch > 0:
+        rows, cols = cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"]
         kernels._forward_kernel[(q_tiles * problem.batch,)](
-            q, k, qi, ki, w, head_lse, loss, index_lse, sel_arg, tables[1] if tables[1] is not None else spare,
-            cu_q if cu_q is not None else spare, cu_k if cu_k is not None else spare,
-            *strides, *lse_strides, row_stride, sel_stride,
-            problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
-            problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
-            INDEX_DIM=problem.index_dim, BLOCK_E=_pow2(problem.index_dim), **constants,
+            _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
+            _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
+            w, head_lse, loss, index_lse, sel, tables[1], cu_q, cu_k,
+            0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
+            0 if varlen else problem.seqlen_q, sel_stride,
+            *common, problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
+            BLOCK_E=block_e, **_constants(problem, cfg_fwd),
         )
     if varlen and problem.total_q > 0:
         tail = torch.arange(problem.total_q, device=device) >= problem.cu_seqlens_q[-1]
@@ -250,20 +272,21 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
 def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows):
     """(dqi, dki, dw) in the input dtype; see DSA_INTERFACE.md."""
     kernels = _kernels()
-    q, k, qi, ki, w = (_last_contiguous(t) for t in (q, k, qi, ki, w))
+    w = _last_contiguous(w)
     head_lse, index_lse = _last_contiguous(head_lse), index_lse.contiguous()
     grad_rows = grad_rows.float().contiguous()
     device = q.device
     varlen = problem.is_varlen
     cfg = config(problem, "backward")
-    q_tiles = -(-problem.seqlen_q // cfg["BLOCK_M"])
-    k_tiles = -(-problem.seqlen_k // cfg["BLOCK_N"])
+    q_tiles, k_tiles = _tiles(problem, cfg)
     spare = _placeholder(device)
     sel, table = spare, spare
     if problem.topk > 0:
         sel, (table,) = selection(problem, topk_indices, [(cfg["BLOCK_M"], cfg["BLOCK_N"])])
     sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
-    dqi = torch.zeros(qi.shape, dtype=torch.float32, device=device)
+    # float32 accumulation buffer of dqi's atomics, rows padded to 16 bytes for the reductions
+    width = -(-problem.index_dim // 4) * 4
+    dqi = torch.zeros((*qi.shape[:-1], width), dtype=torch.float32, device=device)[..., : problem.index_dim]
     dw = torch.zeros(w.shape, dtype=torch.float32, device=device)
     dki = torch.zeros(ki.shape, dtype=ki.dtype, device=device)
     if varlen:
@@ -271,15 +294,63 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     else:
         grad_strides = [dqi.stride(0), dqi.stride(1), dqi.stride(2), dki.stride(0), dki.stride(1), dw.stride(0),
                         dw.stride(1)]
-    cu_q, cu_k, constants = _common(problem, cfg, q_tiles, k_tiles, topk_indices)
-    if k_tiles * problem.batch > 0:
+    cu_q, cu_k = _sequence_args(problem, device)
+    block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
+    if k_tiles * problem.batch > 0 and q_tiles > 0:
+        rows, cols = cfg["BLOCK_M"], cfg["BLOCK_N"]
         kernels._backward_kernel[(k_tiles * problem.batch,)](
-            q, k, qi, ki, w, head_lse, index_lse, grad_rows, dqi, dki, dw, sel, table,
-            cu_q if cu_q is not None else spare, cu_k if cu_k is not None else spare,
-            *_input_strides(problem, q, k, qi, ki, w), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
+            _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
+            _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
+            w, head_lse, index_lse, grad_rows, _descriptor(dqi, varlen, rows, block_e), dqi, dki, dw,
+            sel, table, cu_q, cu_k,
+            0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
             0 if varlen else problem.seqlen_q, sel_stride, *grad_strides,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
             problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
-            INDEX_DIM=problem.index_dim, BLOCK_E=_pow2(problem.index_dim), **constants,
+            INDEX_DIM=problem.index_dim, BLOCK_E=block_e, **_constants(problem, cfg),
         )
-    return dqi.to(qi.dtype), dki, dw.to(w.dtype)
+    return dqi.to(qi.dtype).contiguous(), dki, dw.to(w.dtype)
+
+
+def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: int = 128, index_dim: int = 128,
+                       causal: bool = True, topk: int = 0, varlen: bool = False):
+    """One kernel ("lse", "forward", "backward") compiled for sm_90a without a GPU, at the tile
+    sizes `config` picks for a long sequence; returns the compiled kernel (.asm: ptx, cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels = _kernels()
+    fn = {"lse": kernels._head_lse_kernel, "forward": kernels._forward_kernel,
+          "backward": kernels._backward_kernel}[kernel]
+
+    class _Shape:  # the fields `config` reads
+        pass
+
+    shape = _Shape()
+    shape.dim, shape.seqlen_q, shape.seqlen_k = dim, 1 << 15, 1 << 15
+    cfg = config(shape, kernel)
+    element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    pointers = {"Q": element, "K": element, "QI": element, "KI": element, "W": element, "DKI": element,
+                "SEL": "i32", "CU_Q": "i32", "CU_K": "i32", "TILES": "u8"}
+    constants = dict(DIM=dim, BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), CAUSAL=causal,
+                     VARLEN=varlen, TOPK=topk > 0, IEEE=dtype == torch.float32, INTERPRET=False,
+                     STEPS_K=max(topk, 1).bit_length(), STEPS_N=cfg["BLOCK_N"].bit_length(),
+                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.isupper():
+            signature[name] = "*" + pointers.get(name, "fp32")
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    used = {name: value for name, value in constants.items() if name in fn.arg_names}
+    # pointers 16-byte aligned, as a launch with fresh allocations specializes them
+    aligned = [[i] for i, name in enumerate(fn.arg_names) if name.isupper() and name not in used]
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in used.items()},
+                       attrs={tuple(i): [["tt.divisibility", 16]] for i in aligned})
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -47,6 +47,15 @@ def _tile_order(pid, tiles, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _descriptor_batch(seq, VARLEN: tl.constexpr):
+    """The descriptors' leading coordinate: the batch entry, or 0 for packed rows (one [1, T] batch)."""
+    if VARLEN:
+        return seq * 0
+    else:
+        return seq
+
+
+@triton.jit
 def _mm(b_a, b_b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """a @ b with float32 accumulation; full float32 (no TF32) for float32 inputs."""
     if INTERPRET:
@@ -101,47 +110,42 @@ def _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL: tl.constexpr, TOPK: tl
 
 
 @triton.jit
-def _teacher_probs(Q, K, LSE, o_i, o_j, m_i, m_j, m_ij, o_d, m_d, stride_qn, stride_qh, stride_kn, stride_kh,
-                   stride_lh, heads, group, qk_scale, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+def _teacher_probs(Q_DESC, K_DESC, LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh, heads, group, qk_scale,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     """T [BM, BN] float32: the mean over the teacher heads of each head's softmax, 0 off the mask.
 
-    Q, K: the sequence's first row of q, k; LSE: the sequence's first row of head 0's lse."""
-    b_t = tl.zeros(m_ij.shape, tl.float32)
+    q_row, k_row: descriptor rows of the tiles' first query and key; LSE: the sequence's first row
+    of head 0's lse."""
+    b_t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for h in tl.range(0, heads):
-        g = h // group
-        b_q = tl.load(Q + o_i[:, None] * stride_qn + h * stride_qh + o_d[None, :],
-                      mask=m_i[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
-        b_kt = tl.load(K + o_j[None, :] * stride_kn + g * stride_kh + o_d[:, None],
-                       mask=m_j[None, :] & m_d[:, None], other=0.0)  # [BD, BN]
+        b_q = Q_DESC.load([desc_b, q_row, h, 0]).reshape([BLOCK_M, BLOCK_D])
+        b_k = K_DESC.load([desc_b, k_row, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
         b_lse = tl.load(LSE + h * stride_lh + o_i, mask=m_i, other=0.0) * LOG2E  # [BM]
-        b_s = _mm(b_q, b_kt, IEEE, INTERPRET) * qk_scale
+        b_s = _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale
         b_t += tl.exp2(b_s - b_lse[:, None])
     return tl.where(m_ij, b_t * (1.0 / heads), 0.0)
 
 
 @triton.jit
-def _index_logits(QI, KI, W, o_i, o_j, m_i, m_j, o_e, m_e, stride_qin, stride_qih, stride_kin, stride_wn,
-                  index_heads, IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """z [BM, BN] float32 = sum_t w_t * relu(qi_t . ki) (unmasked)."""
-    b_kit = tl.load(KI + o_j[None, :] * stride_kin + o_e[:, None], mask=m_j[None, :] & m_e[:, None],
-                    other=0.0)  # [BE, BN], shared by the indexer heads
+def _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """z [BM, BN] float32 = sum_t w_t * relu(qi_t . ki) (unmasked); b_ki [BN, BE] the key tile."""
     b_z = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for t in tl.range(0, index_heads):
-        b_qi = tl.load(QI + o_i[:, None] * stride_qin + t * stride_qih + o_e[None, :],
-                       mask=m_i[:, None] & m_e[None, :], other=0.0)  # [BM, BE]
+        b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
         b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
-        b_r = _mm(b_qi, b_kit, IEEE, INTERPRET)
+        b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)
         b_z += b_w[:, None] * tl.maximum(b_r, 0.0)
     return b_z
 
 
 @triton.jit
 def _head_lse_kernel(
-    Q, K, LSE, SEL, TILES, CU_Q, CU_K,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh, stride_sb,
+    Q_DESC, K_DESC, LSE, SEL, TILES, CU_Q, CU_K,
+    stride_lb, stride_lh, stride_sb,
     seqlen_q, seqlen_k, heads, group, qk_scale, topk, q_tiles, k_tiles,
-    DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
 ):
@@ -150,15 +154,13 @@ def _head_lse_kernel(
     seq = rest // heads
     h = rest % heads
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
+    desc_b = _descriptor_batch(seq, VARLEN)
     o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_i = o_i < len_q
     if q_tile * BLOCK_M < len_q:
-        o_d = tl.arange(0, BLOCK_D)
-        m_d = o_d < DIM
-        Q += seq.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qn + h * stride_qh
-        K += seq.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + (h // group) * stride_kh
-        p_sel = SEL + seq.to(tl.int64) * stride_sb + (q_start + o_i).to(tl.int64) * topk
-        b_q = tl.load(Q + o_i[:, None] * stride_qn + o_d[None, :], mask=m_i[:, None] & m_d[None, :], other=0.0)
+        seq64 = seq.to(tl.int64)
+        p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
+        b_q = Q_DESC.load([desc_b, q_start + q_tile * BLOCK_M, h, 0]).reshape([BLOCK_M, BLOCK_D])
         b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_M], tl.float32)
         k_end = len_k
@@ -170,29 +172,24 @@ def _head_lse_kernel(
                 active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                m_j = o_j < len_k
                 m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
-                b_kt = tl.load(K + o_j[None, :] * stride_kn + o_d[:, None], mask=m_j[None, :] & m_d[:, None],
-                               other=0.0)
-                b_s = tl.where(m_ij, _mm(b_q, b_kt, IEEE, INTERPRET) * qk_scale, float("-inf"))
+                b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
+                b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
                 b_new = tl.maximum(b_m, tl.max(b_s, axis=1))
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
                 b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_s - b_ref[:, None]), axis=1)
                 b_m = b_new
         b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l)) * LN2, float("-inf"))
         b_lse = tl.where(b_l == b_l, b_lse, float("nan"))
-        tl.store(LSE + seq.to(tl.int64) * stride_lb + h * stride_lh + q_start + o_i, b_lse, mask=m_i)
+        tl.store(LSE + seq64 * stride_lb + h * stride_lh + q_start + o_i, b_lse, mask=m_i)
 
 
 @triton.jit
 def _forward_kernel(
-    Q, K, QI, KI, W, HEAD_LSE, LOSS, INDEX_LSE, SEL, TILES, CU_Q, CU_K,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_qib, stride_qin, stride_qih, stride_kib, stride_kin, stride_wb, stride_wn,
-    stride_lb, stride_lh, stride_rb, stride_sb,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, LOSS, INDEX_LSE, SEL, TILES, CU_Q, CU_K,
+    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb,
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
-    DIM: tl.constexpr, BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
 ):
@@ -200,18 +197,12 @@ def _forward_kernel(
     One program per (query tile, sequence), streaming its key tiles once."""
     q_tile, seq = _tile_order(tl.program_id(0), q_tiles, CAUSAL)
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
+    desc_b = _descriptor_batch(seq, VARLEN)
     o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_i = o_i < len_q
     if q_tile * BLOCK_M < len_q:
-        o_d = tl.arange(0, BLOCK_D)
-        m_d = o_d < DIM
-        o_e = tl.arange(0, BLOCK_E)
-        m_e = o_e < INDEX_DIM
         seq64 = seq.to(tl.int64)
-        Q += seq64 * stride_qb + q_start.to(tl.int64) * stride_qn
-        K += seq64 * stride_kb + k_start.to(tl.int64) * stride_kn
-        QI += seq64 * stride_qib + q_start.to(tl.int64) * stride_qin
-        KI += seq64 * stride_kib + k_start.to(tl.int64) * stride_kin
+        q_row = q_start + q_tile * BLOCK_M
         W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
         HEAD_LSE += seq64 * stride_lb + q_start
         p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
@@ -228,12 +219,13 @@ def _forward_kernel(
                 active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                m_j = o_j < len_k
+                k_row = k_start + k_tile * BLOCK_N
                 m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
-                b_t = _teacher_probs(Q, K, HEAD_LSE, o_i, o_j, m_i, m_j, m_ij, o_d, m_d, stride_qn, stride_qh,
-                                     stride_kn, stride_kh, stride_lh, heads, group, qk_scale, IEEE, INTERPRET)
-                b_z = _index_logits(QI, KI, W, o_i, o_j, m_i, m_j, o_e, m_e, stride_qin, stride_qih, stride_kin,
-                                    stride_wn, index_heads, IEEE, INTERPRET, BLOCK_M, BLOCK_N)
+                b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
+                                     heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
+                b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
+                b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,
+                                    BLOCK_N, BLOCK_E, IEEE, INTERPRET)
                 b_a += tl.sum(tl.where(b_t == 0.0, 0.0, b_t * tl.log(b_t)), axis=1)
                 b_b += tl.sum(tl.where(m_ij, b_t * b_z, 0.0), axis=1)
                 b_z2 = tl.where(m_ij, b_z * LOG2E, float("-inf"))
@@ -251,41 +243,34 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_kernel(
-    Q, K, QI, KI, W, HEAD_LSE, INDEX_LSE, GRAD, DQI, DKI, DW, SEL, TILES, CU_Q, CU_K,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_qib, stride_qin, stride_qih, stride_kib, stride_kin, stride_wb, stride_wn,
-    stride_lb, stride_lh, stride_rb, stride_sb,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, DQI_DESC, DQI, DKI, DW, SEL, TILES, CU_Q, CU_K,
+    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb,
     stride_dqb, stride_dqn, stride_dqh, stride_dkb, stride_dkn, stride_dwb, stride_dwn,
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
-    DIM: tl.constexpr, BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
 ):
     """One program per (key tile, sequence), over the query tiles that see it: dz = g (S - T) per
-    tile, dki accumulated in registers, dqi and dw added atomically into float32 buffers."""
+    tile, dki accumulated in registers, dqi (float32, by tensor-memory reductions) and dw added
+    atomically."""
     # key tile 0 sees the most query tiles under causality: natural order starts the longest first
     k_tile = tl.program_id(0) % k_tiles
     seq = tl.program_id(0) // k_tiles
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
+    desc_b = _descriptor_batch(seq, VARLEN)
     o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_j = o_j < len_k
     o_e = tl.arange(0, BLOCK_E)
-    m_e = o_e < INDEX_DIM
     seq64 = seq.to(tl.int64)
     if k_tile * BLOCK_N < len_k:
-        o_d = tl.arange(0, BLOCK_D)
-        m_d = o_d < DIM
-        Q += seq64 * stride_qb + q_start.to(tl.int64) * stride_qn
-        K += seq64 * stride_kb + k_start.to(tl.int64) * stride_kn
-        QI += seq64 * stride_qib + q_start.to(tl.int64) * stride_qin
-        KI += seq64 * stride_kib + k_start.to(tl.int64) * stride_kin
+        k_row = k_start + k_tile * BLOCK_N
         W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
         HEAD_LSE += seq64 * stride_lb + q_start
-        DQI += seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqn
         DW += seq64 * stride_dwb + q_start.to(tl.int64) * stride_dwn
-        b_ki = tl.load(KI + o_j[:, None] * stride_kin + o_e[None, :], mask=m_j[:, None] & m_e[None, :],
-                       other=0.0)  # [BN, BE]
+        # keys past the sequence (the next one's, when packed) read as 0: no NaN leaks across sequences
+        b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
+        b_ki = tl.where(m_j[:, None], b_ki, 0.0).to(b_ki.dtype)
         b_dki = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
         q_first = 0
         if CAUSAL:
@@ -297,28 +282,34 @@ def _backward_kernel(
             if active:
                 o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
                 m_i = o_i < len_q
+                q_row = q_start + q_tile * BLOCK_M
                 p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
                 m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
-                b_t = _teacher_probs(Q, K, HEAD_LSE, o_i, o_j, m_i, m_j, m_ij, o_d, m_d, stride_qn, stride_qh,
-                                     stride_kn, stride_kh, stride_lh, heads, group, qk_scale, IEEE, INTERPRET)
-                b_z = _index_logits(QI, KI, W, o_i, o_j, m_i, m_j, o_e, m_e, stride_qin, stride_qih, stride_kin,
-                                    stride_wn, index_heads, IEEE, INTERPRET, BLOCK_M, BLOCK_N)
+                b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
+                                     heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
+                b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,
+                                    BLOCK_N, BLOCK_E, IEEE, INTERPRET)
                 b_lse = tl.load(INDEX_LSE + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0) * LOG2E
                 b_g = tl.load(GRAD + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0)
                 b_p = tl.exp2(b_z * LOG2E - b_lse[:, None])
                 b_dz = tl.where(m_ij, b_g[:, None] * (b_p - b_t), 0.0)  # [BM, BN]
                 for t in tl.range(0, index_heads):
-                    b_qi = tl.load(QI + o_i[:, None] * stride_qin + t * stride_qih + o_e[None, :],
-                                   mask=m_i[:, None] & m_e[None, :], other=0.0)  # [BM, BE]
+                    b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
+                    if VARLEN:
+                        b_qi = tl.where(m_i[:, None], b_qi, 0.0).to(b_qi.dtype)
                     b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
                     b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)
                     tl.atomic_add(DW + o_i * stride_dwn + t, tl.sum(b_dz * tl.maximum(b_r, 0.0), axis=1), mask=m_i,
                                   sem="relaxed")
                     b_dr = tl.where(b_r > 0.0, b_dz * b_w[:, None], 0.0).to(b_qi.dtype)  # [BM, BN]
                     b_dki += _mm(tl.trans(b_dr), b_qi, IEEE, INTERPRET)
-                    b_dqi = _mm(b_dr, b_ki, IEEE, INTERPRET)  # [BM, BE]
-                    tl.atomic_add(DQI + o_i[:, None] * stride_dqn + t * stride_dqh + o_e[None, :], b_dqi,
-                                  mask=m_i[:, None] & m_e[None, :], sem="relaxed")
+                    b_dqi = _mm(b_dr, b_ki, IEEE, INTERPRET)  # [BM, BE], 0 on rows outside the sequence
+                    if INTERPRET:
+                        p_dqi = DQI + (seq64 * stride_dqb + (q_start + o_i).to(tl.int64) * stride_dqn
+                                       + t * stride_dqh)[:, None] + o_e[None, :]
+                        tl.atomic_add(p_dqi, b_dqi, mask=m_i[:, None] & (o_e[None, :] < INDEX_DIM), sem="relaxed")
+                    else:
+                        DQI_DESC.atomic_add([desc_b, q_row, t, 0], b_dqi.reshape([1, BLOCK_M, 1, BLOCK_E]))
         DKI += seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkn
         tl.store(DKI + o_j[:, None] * stride_dkn + o_e[None, :], b_dki.to(DKI.dtype.element_ty),
-                 mask=m_j[:, None] & m_e[None, :])
+                 mask=m_j[:, None] & (o_e[None, :] < INDEX_DIM))
