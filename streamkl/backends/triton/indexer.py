@@ -100,10 +100,8 @@ def _fit(block: int, length: int) -> int:
 def config(problem, kernel: str) -> dict:
     """Tile sizes and launch shape of one kernel ("lse", "forward", "backward") for `problem`."""
     wide = _pow2(problem.dim) > 128
-    if kernel == "backward":
-        block_m, block_n, warps = (64, 64, 4) if wide else (64, 128, 8)
-    else:
-        block_m, block_n, warps = (64, 64, 4) if wide else (128, 64, 8)
+    # (sm_90a builds: none spills in the forward and lse kernels; the backward's 255 registers spill 32-60 B)
+    block_m, block_n, warps = (64, 64, 4) if wide else (128, 64, 8)
     block_m, block_n = _fit(block_m, problem.seqlen_q), _fit(block_n, problem.seqlen_k)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=2)
 
@@ -243,7 +241,8 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
         q_tiles, k_tiles = _tiles(problem, cfg_lse)
         if q_tiles * problem.batch > 0:
             kernels._head_lse_kernel[(q_tiles * problem.batch * problem.heads,)](
-                _descriptor(q, varlen, cfg_lse["BLOCK_M"], block_d), _descriptor(k, varlen, cfg_lse["BLOCK_N"], block_d),
+                _descriptor(q, varlen, cfg_lse["BLOCK_M"], block_d),
+                _descriptor(k, varlen, cfg_lse["BLOCK_N"], block_d),
                 head_lse, sel, tables[0], cu_q, cu_k,
                 0 if varlen else head_lse.stride(0), head_lse.stride(-2), sel_stride,
                 *common, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, **_constants(problem, cfg_lse),
@@ -331,9 +330,11 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
     shape.dim, shape.seqlen_q, shape.seqlen_k = dim, 1 << 15, 1 << 15
     cfg = config(shape, kernel)
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    pointers = {"Q": element, "K": element, "QI": element, "KI": element, "W": element, "DKI": element,
-                "SEL": "i32", "CU_Q": "i32", "CU_K": "i32", "TILES": "u8"}
-    constants = dict(DIM=dim, BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), CAUSAL=causal,
+    descriptors = {"Q_DESC": (element, "BLOCK_M", "BLOCK_D"), "K_DESC": (element, "BLOCK_N", "BLOCK_D"),
+                   "QI_DESC": (element, "BLOCK_M", "BLOCK_E"), "KI_DESC": (element, "BLOCK_N", "BLOCK_E"),
+                   "DQI_DESC": ("fp32", "BLOCK_M", "BLOCK_E")}
+    pointers = {"W": element, "DKI": element, "SEL": "i32", "CU_Q": "i32", "CU_K": "i32", "TILES": "u8"}
+    constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), CAUSAL=causal,
                      VARLEN=varlen, TOPK=topk > 0, IEEE=dtype == torch.float32, INTERPRET=False,
                      STEPS_K=max(topk, 1).bit_length(), STEPS_N=cfg["BLOCK_N"].bit_length(),
                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
@@ -341,6 +342,9 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
     for name in fn.arg_names:
         if name in constants:
             signature[name] = "constexpr"
+        elif name in descriptors:
+            kind, rows, cols = descriptors[name]
+            signature[name] = f"tensordesc<{kind}[1, {constants[rows]}, 1, {constants[cols]}]>"
         elif name.isupper():
             signature[name] = "*" + pointers.get(name, "fp32")
         elif name == "qk_scale":
@@ -349,7 +353,8 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
             signature[name] = "i32"
     used = {name: value for name, value in constants.items() if name in fn.arg_names}
     # pointers 16-byte aligned, as a launch with fresh allocations specializes them
-    aligned = [[i] for i, name in enumerate(fn.arg_names) if name.isupper() and name not in used]
+    aligned = [[i] for i, name in enumerate(fn.arg_names) if name.isupper() and name not in used
+               and name not in descriptors]
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in used.items()},
                        attrs={tuple(i): [["tt.divisibility", 16]] for i in aligned})
     options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}

@@ -268,9 +268,10 @@ def _backward_kernel(
         W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
         HEAD_LSE += seq64 * stride_lb + q_start
         DW += seq64 * stride_dwb + q_start.to(tl.int64) * stride_dwn
-        # keys past the sequence (the next one's, when packed) read as 0: no NaN leaks across sequences
+        # packed keys past the sequence (the next one's) read as 0: no NaN leaks across sequences
         b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
-        b_ki = tl.where(m_j[:, None], b_ki, 0.0).to(b_ki.dtype)
+        if VARLEN:
+            b_ki = tl.where(m_j[:, None], b_ki, 0.0).to(b_ki.dtype)
         b_dki = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
         q_first = 0
         if CAUSAL:
