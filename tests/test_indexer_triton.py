@@ -159,6 +159,28 @@ def test_dense_layout(B, Nq, Nk, H, Hk, D, Hi, Di, causal, topk, dtype):
         check(name, grad.float(), ref, grad_tol)
 
 
+def test_local_selection_skips_tiles():
+    """A sliding-window selection leaves most (query tile, key tile) pairs unselected: the skipped
+    tiles must be exactly the ones no row needs."""
+    N, K = 200, 12
+    q, k, qi, ki, w = inputs((1, N), (1, N), 2, 1, 16, 2, 16, torch.float32)
+    rows = torch.arange(N, device=DEVICE)[:, None]
+    top = (rows - torch.arange(K, device=DEVICE)[None, :]).clamp(min=-1).to(torch.int32).view(1, N, K)
+    problem = make_problem(q, k, qi, ki, top, False)
+    cfg = triton_indexer.config(problem, "forward")
+    _, (table,) = triton_indexer.selection(problem, top, [(cfg["BLOCK_M"], cfg["BLOCK_N"])])
+    assert 0 < int(table.sum()) < table.numel()
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    ref_loss, ref_head, ref_index = indexer_kl_reference(q, k, qi, ki, w, causal=False, topk_indices=top)
+    grad_rows = torch.randn(1, N, device=DEVICE)
+    ref_grads = reference_with_grads(q, k, qi, ki, w, False, top, grad_rows)[3]
+    check("loss", loss, ref_loss, 1e-4)
+    check("head_lse", head_lse, ref_head, 1e-4)
+    grads = triton_indexer.backward(problem, q, k, qi, ki, w, top, head_lse, index_lse, grad_rows)
+    for name, grad, ref in zip(("dqi", "dki", "dw"), grads, ref_grads):
+        check(name, grad, ref, 1e-4)
+
+
 def test_given_lse_is_used_as_is():
     """A passed-in teacher lse is returned unchanged and gives the computed lse's loss."""
     q, k, qi, ki, w = inputs((1, 45), (1, 45), 2, 2, 16, 2, 16, torch.float32)
