@@ -1,0 +1,298 @@
+"""The Triton DSA indexer-loss kernels (SPEC 8) against a float64 materializing reference.
+
+The kernels are called directly through the backend interface (forward / backward of
+`streamkl.backends.triton.indexer`) with a local stand-in of the front end's `IndexerProblem`.
+On CPU they run under TRITON_INTERPRET=1 at small shapes; the `gpu` tests run realistic shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from streamkl.backends.triton import indexer as triton_indexer
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 2e-2), torch.bfloat16: (1e-2, 2e-2)}
+
+
+@dataclass(frozen=True)
+class IndexerProblem:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_k: int
+    dim: int
+    index_heads: int
+    index_dim: int
+    scale: float
+    causal: bool
+    topk: int
+    dtype: torch.dtype
+    device: torch.device
+    is_varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    lse_given: bool = False
+    key: tuple = ()
+
+
+def indexer_kl_reference(q, k, qi, ki, w, scale=None, causal=True, topk_indices=None):
+    """Dense layout (B, N, ...): float64 (loss (B, Nq), head_lse (B, H, Nq), index_lse (B, Nq))."""
+    q, k, qi, ki, w = (t.double() for t in (q, k, qi, ki, w))
+    B, Nq, H, D = q.shape
+    Nk, Hk = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    kk = k.repeat_interleave(H // Hk, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    allowed = torch.ones(B, Nq, Nk, dtype=torch.bool, device=q.device)
+    if causal:
+        i = torch.arange(Nq, device=q.device)[:, None]
+        j = torch.arange(Nk, device=q.device)[None, :]
+        allowed &= j <= i + Nk - Nq
+    if topk_indices is not None:
+        sel = torch.zeros(B, Nq, Nk + 1, dtype=torch.bool, device=q.device)
+        idx = topk_indices.long().clone()
+        idx[idx < 0] = Nk
+        sel.scatter_(2, idx, True)
+        allowed &= sel[..., :Nk]
+    s = s.masked_fill(~allowed[:, None], float("-inf"))
+    empty = ~allowed.any(-1)
+    head_lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    t = p.mean(1)
+    z = (w[..., None] * torch.einsum("bitd,bjd->bitj", qi, ki).relu()).sum(2)
+    z = z.masked_fill(~allowed, float("-inf"))
+    index_lse = torch.logsumexp(z, -1)
+    log_s = torch.log_softmax(z, -1)
+    loss = torch.where(t > 0, t * (torch.log(t) - log_s), 0.0).sum(-1)
+    return loss.masked_fill(empty, 0.0), head_lse, index_lse
+
+
+def rel_l2(actual, expected) -> float:
+    actual, expected = actual.double(), expected.double()
+    denom = expected.norm().item()
+    return (actual - expected).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def make_problem(q, k, qi, ki, topk_indices, causal, cu_q=None, cu_k=None, lse_given=False):
+    varlen = cu_q is not None
+    lead = 0 if varlen else 1
+    if varlen:
+        lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+        batch, seqlen_q, seqlen_k = len(lens_q), max(lens_q + [0]), max(lens_k + [0])
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    return IndexerProblem(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads=q.shape[lead + 1], heads_k=k.shape[lead + 1],
+        dim=q.shape[-1], index_heads=qi.shape[lead + 1], index_dim=qi.shape[-1], scale=q.shape[-1] ** -0.5,
+        causal=causal, topk=0 if topk_indices is None else topk_indices.shape[-1], dtype=q.dtype,
+        device=q.device, is_varlen=varlen, total_q=q.shape[0] if varlen else 0, total_k=k.shape[0] if varlen else 0,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, lse_given=lse_given,
+    )
+
+
+def random_topk(rows: int, seqlen_k: int, topk: int, device) -> torch.Tensor:
+    """Random in-range indices with repeats and -1 padding (positions within the row's sequence)."""
+    idx = torch.randint(0, max(seqlen_k, 1), (rows, topk), device=device, dtype=torch.int32)
+    idx[:, topk // 2] = idx[:, 0]  # a repeated index counts once
+    idx[torch.rand(rows, topk, device=device) < 0.15] = -1
+    return idx
+
+
+def inputs(lead_q, lead_k, heads, heads_k, dim, index_heads, index_dim, dtype):
+    shapes = [(*lead_q, heads, dim), (*lead_k, heads_k, dim), (*lead_q, index_heads, index_dim),
+              (*lead_k, index_dim), (*lead_q, index_heads)]
+    return [torch.randn(s, device=DEVICE).to(dtype) for s in shapes]
+
+
+def reference_with_grads(q, k, qi, ki, w, causal, topk_indices, grad_rows):
+    leaves = [t.detach().double().requires_grad_(True) for t in (qi, ki, w)]
+    loss, head_lse, index_lse = indexer_kl_reference(q, k, *leaves, causal=causal, topk_indices=topk_indices)
+    torch.autograd.backward(loss, grad_rows.double())
+    return loss.detach(), head_lse.detach(), index_lse.detach(), [t.grad for t in leaves]
+
+
+def check(name, actual, expected, tol):
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected)), f"{name}: -inf pattern differs"
+    assert not torch.isnan(actual).any(), f"{name}: NaN (a row never written?)"
+    finite = torch.isfinite(expected)
+    err = rel_l2(actual[finite], expected[finite])
+    assert err <= tol, f"{name}: relative L2 error {err:.3g} > {tol}"
+
+
+DENSE_CASES = [
+    # (B, Nq, Nk, H, Hk, D, Hi, Di, causal, topk, dtype)
+    pytest.param(2, 70, 70, 4, 2, 32, 4, 16, True, 0, torch.float32, id="B2-N70-H4-Hk2-D32-Hi4x16-causal-fp32"),
+    pytest.param(1, 150, 150, 2, 2, 16, 2, 16, True, 0, torch.float32, id="B1-N150-H2-D16-Hi2x16-causal-fp32"),
+    pytest.param(1, 50, 90, 3, 1, 24, 3, 20, False, 0, torch.float32, id="B1-Nq50-Nk90-H3-Hk1-D24-Hi3x20-fp32"),
+    pytest.param(1, 60, 40, 2, 2, 16, 2, 16, True, 0, torch.float32, id="B1-Nq60-Nk40-causal-empty-rows-fp32"),
+    pytest.param(2, 80, 80, 4, 2, 32, 4, 16, True, 24, torch.float32, id="B2-N80-H4-Hk2-D32-Hi4x16-causal-top24-fp32"),
+    pytest.param(1, 150, 150, 2, 1, 16, 2, 16, False, 40, torch.float32, id="B1-N150-H2-Hk1-D16-top40-fp32"),
+    pytest.param(1, 70, 70, 4, 4, 32, 4, 32, True, 0, torch.bfloat16, id="B1-N70-H4-D32-Hi4x32-causal-bf16"),
+    pytest.param(1, 70, 70, 2, 2, 48, 2, 16, True, 20, torch.float16, id="B1-N70-H2-D48-Hi2x16-causal-top20-fp16"),
+]
+
+
+@pytest.mark.parametrize("B, Nq, Nk, H, Hk, D, Hi, Di, causal, topk, dtype", DENSE_CASES)
+def test_dense_layout(B, Nq, Nk, H, Hk, D, Hi, Di, causal, topk, dtype):
+    q, k, qi, ki, w = inputs((B, Nq), (B, Nk), H, Hk, D, Hi, Di, dtype)
+    top = random_topk(B * Nq, Nk, topk, DEVICE).view(B, Nq, topk) if topk else None
+    problem = make_problem(q, k, qi, ki, top, causal)
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    ref_loss, ref_head, ref_index = indexer_kl_reference(q, k, qi, ki, w, causal=causal, topk_indices=top)
+    grad_rows = torch.randn(B, Nq, device=DEVICE).masked_fill(torch.isneginf(ref_index), 0.0)
+    ref_loss, ref_head, ref_index, ref_grads = reference_with_grads(q, k, qi, ki, w, causal, top, grad_rows)
+    tol, grad_tol = TOLERANCE[dtype]
+    check("loss", loss, ref_loss, tol)
+    check("head_lse", head_lse, ref_head, tol)
+    check("index_lse", index_lse, ref_index, tol)
+    grads = triton_indexer.backward(problem, q, k, qi, ki, w, top, head_lse, index_lse, grad_rows)
+    for name, grad, ref, like in zip(("dqi", "dki", "dw"), grads, ref_grads, (qi, ki, w)):
+        assert grad.dtype == like.dtype and grad.shape == like.shape, name
+        check(name, grad.float(), ref, grad_tol)
+
+
+def test_local_selection_skips_tiles():
+    """A sliding-window selection leaves most (query tile, key tile) pairs unselected: the skipped
+    tiles must be exactly the ones no row needs."""
+    N, K = 200, 12
+    q, k, qi, ki, w = inputs((1, N), (1, N), 2, 1, 16, 2, 16, torch.float32)
+    rows = torch.arange(N, device=DEVICE)[:, None]
+    top = (rows - torch.arange(K, device=DEVICE)[None, :]).clamp(min=-1).to(torch.int32).view(1, N, K)
+    problem = make_problem(q, k, qi, ki, top, False)
+    cfg = triton_indexer.config(problem, "forward")
+    _, (table,) = triton_indexer.selection(problem, top, [(cfg["BLOCK_M"], cfg["BLOCK_N"])])
+    assert 0 < int(table.sum()) < table.numel()
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    ref_loss, ref_head, ref_index = indexer_kl_reference(q, k, qi, ki, w, causal=False, topk_indices=top)
+    grad_rows = torch.randn(1, N, device=DEVICE)
+    ref_grads = reference_with_grads(q, k, qi, ki, w, False, top, grad_rows)[3]
+    check("loss", loss, ref_loss, 1e-4)
+    check("head_lse", head_lse, ref_head, 1e-4)
+    grads = triton_indexer.backward(problem, q, k, qi, ki, w, top, head_lse, index_lse, grad_rows)
+    for name, grad, ref in zip(("dqi", "dki", "dw"), grads, ref_grads):
+        check(name, grad, ref, 1e-4)
+
+
+def test_given_lse_is_used_as_is():
+    """A passed-in teacher lse is returned unchanged and gives the computed lse's loss."""
+    q, k, qi, ki, w = inputs((1, 45), (1, 45), 2, 2, 16, 2, 16, torch.float32)
+    top = random_topk(45, 45, 12, DEVICE).view(1, 45, 12)
+    problem = make_problem(q, k, qi, ki, top, True)
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    given = head_lse.clone()
+    loss2, head_lse2, index_lse2 = triton_indexer.forward(problem, q, k, qi, ki, w, given, top)
+    assert head_lse2.data_ptr() == given.data_ptr()
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(index_lse2, index_lse)
+
+
+VARLEN_CASES = [
+    pytest.param([0, 37, 70, 5], 6, True, 0, torch.float32, id="lens0-37-70-5-tail6-causal-fp32"),
+    pytest.param([20, 0, 53], 3, False, 0, torch.float32, id="lens20-0-53-tail3-fp32"),
+    pytest.param([33, 0, 60], 4, True, 16, torch.float32, id="lens33-0-60-tail4-causal-top16-fp32"),
+]
+
+
+@pytest.mark.parametrize("lens, tail, causal, topk, dtype", VARLEN_CASES)
+def test_varlen(lens, tail, causal, topk, dtype):
+    H, Hk, D, Hi, Di = 4, 2, 16, 3, 16
+    total = sum(lens) + tail
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, k, qi, ki, w = inputs((total,), (total,), H, Hk, D, Hi, Di, dtype)
+    top = None
+    if topk:
+        top = torch.full((total, topk), -1, dtype=torch.int32, device=DEVICE)
+        for s, n in enumerate(lens):
+            start = cu[s].item()
+            top[start : start + n] = random_topk(n, n, topk, DEVICE)
+    problem = make_problem(q, k, qi, ki, top, causal, cu, cu)
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    grad_rows = torch.randn(total, device=DEVICE)
+    ref_loss = torch.zeros(total, dtype=torch.float64, device=DEVICE)
+    ref_index = torch.full((total,), float("-inf"), dtype=torch.float64, device=DEVICE)
+    ref_head = torch.full((H, total), float("-inf"), dtype=torch.float64, device=DEVICE)
+    ref_grads = [torch.zeros(t.shape, dtype=torch.float64, device=DEVICE) for t in (qi, ki, w)]
+    for s, n in enumerate(lens):
+        a = cu[s].item()
+        rows = slice(a, a + n)
+        part = [t[rows][None] for t in (q, k, qi, ki, w)]
+        sel = top[rows][None] if top is not None else None
+        _, _, index_part = indexer_kl_reference(*part, causal=causal, topk_indices=sel)
+        grad_rows[rows] = grad_rows[rows].masked_fill(torch.isneginf(index_part[0]), 0.0)
+        out = reference_with_grads(*part, causal, sel, grad_rows[rows][None])
+        ref_loss[rows], ref_head[:, rows], ref_index[rows] = out[0][0], out[1][0], out[2][0]
+        for total_grad, part_grad in zip(ref_grads, out[3]):
+            total_grad[rows] = part_grad[0]
+    grad_rows[sum(lens):] = 0.0
+    tol, grad_tol = TOLERANCE[dtype]
+    check("loss", loss, ref_loss, tol)
+    check("head_lse", head_lse, ref_head, tol)
+    check("index_lse", index_lse, ref_index, tol)
+    grads = triton_indexer.backward(problem, q, k, qi, ki, w, top, head_lse, index_lse, grad_rows)
+    for name, grad, ref in zip(("dqi", "dki", "dw"), grads, ref_grads):
+        check(name, grad.float(), ref, grad_tol)
+
+
+def test_nan_input_propagates():
+    q, k, qi, ki, w = inputs((1, 40), (1, 40), 2, 2, 16, 2, 16, torch.float32)
+    qi[0, 30, 1, 3] = float("nan")
+    problem = make_problem(q, k, qi, ki, None, True)
+    loss, _, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, None)
+    assert torch.isnan(loss[0, 30]) and torch.isnan(index_lse[0, 30])
+    assert torch.isfinite(loss[0, :30]).all()
+
+
+def test_reasons():
+    q, k, qi, ki, w = inputs((1, 8), (1, 8), 2, 2, 16, 2, 16, torch.float32)
+    problem = make_problem(q, k, qi, ki, None, True)
+    wide = IndexerProblem(**{**problem.__dict__, "dim": 320, "index_dim": 256, "index_heads": 65})
+    reasons = triton_indexer.not_supported_reasons(wide)
+    assert any("320" in r for r in reasons) and any("256" in r for r in reasons) and any("65" in r for r in reasons)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+GPU_CASES = [
+    pytest.param(1, 2048, 16, 8, 128, 64, 128, True, 0, torch.bfloat16, id="N2048-H16-Hk8-D128-Hi64x128-causal-bf16"),
+    pytest.param(1, 1500, 8, 8, 192, 16, 64, True, 0, torch.bfloat16, id="N1500-H8-D192-Hi16x64-causal-bf16"),
+    pytest.param(2, 1000, 8, 2, 128, 32, 128, False, 0, torch.float16, id="B2-N1000-H8-Hk2-D128-Hi32x128-fp16"),
+    pytest.param(1, 1200, 8, 8, 64, 8, 64, True, 0, torch.float32, id="N1200-H8-D64-Hi8x64-causal-fp32"),
+    pytest.param(1, 2048, 16, 16, 128, 64, 128, True, 256, torch.bfloat16,
+                 id="N2048-H16-D128-Hi64x128-causal-top256-bf16"),
+    pytest.param(1, 1100, 8, 1, 256, 16, 128, True, 300, torch.float32,
+                 id="N1100-H8-Hk1-D256-Hi16x128-causal-top300-fp32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("B, N, H, Hk, D, Hi, Di, causal, topk, dtype", GPU_CASES)
+def test_gpu_against_reference(B, N, H, Hk, D, Hi, Di, causal, topk, dtype):
+    test_dense_layout(B, N, N, H, Hk, D, Hi, Di, causal, topk, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_dense_memory_is_linear():
+    """N = 16K, H = 64: the forward and backward allocate O(N) beyond inputs and gradients."""
+    N, H, D, Hi, Di = 16384, 64, 128, 64, 128
+    q, k, qi, ki, w = inputs((1, N), (1, N), H, H, D, Hi, Di, torch.bfloat16)
+    problem = make_problem(q, k, qi, ki, None, True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, None)
+    grads = triton_indexer.backward(problem, q, k, qi, ki, w, None, head_lse, index_lse, torch.ones_like(loss))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    gradient_bytes = sum(g.numel() * g.element_size() for g in grads)
+    dqi_buffer = qi.numel() * 4  # float32 accumulation of dqi's atomics
+    assert extra <= gradient_bytes + dqi_buffer + 16 * N * H + (1 << 20), extra
+    assert math.isfinite(loss.sum().item())
