@@ -249,7 +249,7 @@ SK_DEVICE void ix_slot_values(const IndexerParams& p, const IxShared& s, int seq
     float z = 0.0f;
     for (int t = 0; t < p.index_heads; ++t) {
         const float dot = s.dots[t * IX_PITCH + c];
-        z += ix_to_float(wrow[t * p.w_h]) * (dot > 0.0f ? dot : 0.0f);
+        z += ix_to_float(wrow[t * p.w_h]) * (dot < 0.0f ? 0.0f : dot);  // relu keeps NaN, as torch does
     }
     logit = z;
 }
@@ -410,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(IX_THREADS) indexer_backward_row(co
             for (int c = 0; c < IX_CHUNK; ++c) {
                 if (s.slot_row[c] < 0) continue;
                 const float dot = s.dots[t * IX_PITCH + c];
-                sum += s.slot_val[c] * (dot > 0.0f ? dot : 0.0f);
+                sum += s.slot_val[c] * (dot < 0.0f ? 0.0f : dot);
             }
             s.acc[t] += sum;
         }

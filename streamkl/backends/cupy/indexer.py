@@ -90,9 +90,13 @@ def not_supported_reasons(problem: IndexerProblem) -> list[str]:
     if problem.dim > MAX_DIM:
         reasons.append(f"teacher head dim is {problem.dim}; the CuPy indexer kernels take at most {MAX_DIM}")
     if problem.index_dim > MAX_INDEX_DIM:
-        reasons.append(f"indexer head dim is {problem.index_dim}; the CuPy indexer kernels take at most {MAX_INDEX_DIM}")
+        reasons.append(
+            f"indexer head dim is {problem.index_dim}; the CuPy indexer kernels take at most {MAX_INDEX_DIM}"
+        )
     if problem.index_heads > MAX_INDEX_HEADS:
-        reasons.append(f"indexer heads are {problem.index_heads}; the CuPy indexer kernels take at most {MAX_INDEX_HEADS}")
+        reasons.append(
+            f"indexer heads are {problem.index_heads}; the CuPy indexer kernels take at most {MAX_INDEX_HEADS}"
+        )
     if problem.dtype not in INPUT_CODES:
         reasons.append(f"dtype {problem.dtype} is not one of float32, float16, bfloat16")
     if problem.batch > MAX_GRID_Y:
@@ -358,5 +362,3 @@ def backward(
         record["key_offsets"], record["key_rows"] = offsets.data_ptr(), rows.data_ptr()
     _launch("indexer_backward_key", problem.seqlen_k, problem.batch, record, problem)
     return tuple(t.to(problem.dtype) for t in (dqi, dki, dw))
-
-
