@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
 import re
 import subprocess
 import tempfile
@@ -41,7 +42,6 @@ MAX_DIM = 256
 MAX_INDEX_DIM = 128
 MAX_INDEX_HEADS = 64
 MAX_GRID_Y = 65535
-DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 INPUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # STREAMKL_INPUT
 _C_TYPES = {"sk_u64": np.uint64, "long long": np.int64, "int": np.int32, "float": np.float32}
 
@@ -115,9 +115,12 @@ def not_supported_reasons(problem: IndexerProblem) -> list[str]:
 
 # ---------------------------------------------------------------------------------- compile, launch
 @functools.cache
-def _functions(input_code: int, device_index: int, smem: int):
-    """The three kernels for one input dtype on one device, compiled once (NVRTC, no headers)."""
+def _functions(input_code: int, device_index: int):
+    """The three kernels for one input dtype on one device, compiled once (NVRTC, no headers),
+    each allowed the device's largest dynamic shared memory."""
     import cupy
+
+    from streamkl.backends.cupy.launch import shared_memory_limit
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"))
@@ -125,9 +128,9 @@ def _functions(input_code: int, device_index: int, smem: int):
             functions = {name: module.get_function(name) for name in KERNELS}
         except Exception as exc:
             raise RuntimeError(f"streamkl cupy backend: compiling {SOURCE.name} failed: {exc}") from exc
-        if smem > DEFAULT_SHARED_LIMIT:
-            for function in functions.values():
-                function.max_dynamic_shared_size_bytes = smem
+        limit = shared_memory_limit(torch.device("cuda", device_index))
+        for function in functions.values():
+            function.max_dynamic_shared_size_bytes = limit
     return functions
 
 
@@ -151,7 +154,7 @@ def _emulator(input_code: int) -> ctypes.CDLL:
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"indexer-{digest.hexdigest()[:16]}-{input_code}.so"
     if not target.exists():
-        partial = target.with_suffix(f".{threading.get_ident()}.tmp")
+        partial = target.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         command = [
             emulate.compiler(),
             "-std=c++20",
@@ -192,7 +195,7 @@ def _launch(kernel: str, blocks: int, sequences: int, record: np.ndarray, proble
 
     device = problem.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    function = _functions(code, index, smem)[kernel]
+    function = _functions(code, index)[kernel]
     stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, index)
     with cupy.cuda.Device(index):
         function(grid, (THREADS,), (record,), shared_mem=smem, stream=stream)
