@@ -101,6 +101,9 @@ def not_supported_reasons(problem: IndexerProblem) -> list[str]:
         reasons.append(f"dtype {problem.dtype} is not one of float32, float16, bfloat16")
     if problem.batch > MAX_GRID_Y:
         reasons.append(f"{problem.batch} sequences; the CuPy indexer kernels take at most {MAX_GRID_Y}")
+    rows = problem.total_q if problem.is_varlen else problem.batch * problem.seqlen_q
+    if rows * problem.topk >= 2**31:  # the top-k backward's key-major lists use int32 offsets
+        reasons.append(f"{rows} rows x top-{problem.topk} selections; the CuPy indexer kernels take under 2**31")
     if not reasons and problem.device.type == "cuda":
         from streamkl.backends.cupy.launch import shared_memory_limit
 
