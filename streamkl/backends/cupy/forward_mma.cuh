@@ -2,11 +2,13 @@
 // STREAMKL_INPUT != 0): the SPEC's five streaming statistics per query row, over the same tile
 // schedule as kl_forward, with both score tiles s1 = q1 k1^T and s2 = q2 k2^T on mma.sync.
 //
-// Structure (FlashAttention-2): a block owns BLOCK_Q = 16 * WARPS query rows of one (sequence,
-// head); warp w owns rows 16w..16w+15 and keeps their score tiles and statistics in registers, so
-// rows never meet in shared memory. q1 and q2 stay in shared memory for the whole block and are
-// read as A fragments (ldmatrix) at every key tile; the key tiles of both sides stream through a
-// STAGES-deep cp.async ring, the next tiles landing while the current one is multiplied. Scores
+// Structure (FlashAttention-2): a block owns BLOCK_Q = 16 * M_TILES * WARPS query rows of one
+// (sequence, head); each warp owns M_TILES blocks of 16 consecutive rows and keeps their score
+// tiles and statistics in registers, so rows never meet in shared memory. Every key fragment a
+// warp loads serves its M_TILES row blocks (M_TILES = 2 halves the shared-memory reads per
+// product). q1 and q2 stay in shared memory for the whole block and are read as A fragments
+// (ldmatrix) at every key tile; the key tiles of both sides stream through a STAGES-deep cp.async
+// ring, the next tiles landing while the current one is multiplied. Scores
 // are moved to log2 units once (scale * log2 e folded into one multiply) so every exponential is
 // an exp2; the statistics convert back to natural logs when the row is written.
 //
@@ -38,25 +40,32 @@ SK_DEVICE void load_tile(input_t* dst, const input_t* src, long long row_stride,
     }
 }
 
-// s[n] = this warp's 16 query rows times keys 8n..8n+7 (raw products, float32), as C fragments
-template <int DP, int NT>
-SK_DEVICE void warp_scores(float (&s)[NT][4], const input_t* q_rows, const input_t* k_rows, int lane) {
+// s[m][n] = rows 16m..16m+15 of this warp times keys 8n..8n+7 (raw products, float32), C fragments
+template <int DP, int MT, int NT>
+SK_DEVICE void warp_scores(float (&s)[MT][NT][4], const input_t* q_rows, const input_t* k_rows, int lane) {
     constexpr int ST = DP + 8;
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) s[n][r] = 0.0f;
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) s[m][n][r] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
-        unsigned a[4];  // rows lane % 16, columns 8 * (lane / 16): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
-        sk_ldmatrix_x4(a, q_rows + (lane % 16) * ST + kk * 16 + (lane / 16) * 8);
+        unsigned a[MT][4];  // rows lane % 16, columns 8 * (lane / 16): (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+            sk_ldmatrix_x4(a[m], q_rows + (16 * m + lane % 16) * ST + kk * 16 + (lane / 16) * 8);
 #pragma unroll
         for (int nn = 0; nn < NT / 2; ++nn) {
             unsigned b[4];  // keys 16nn + lane % 8 (+8 for lanes 16-31), columns +8 for lanes 8-15, 24-31
             sk_ldmatrix_x4(b, k_rows + (nn * 16 + (lane % 8) + (lane / 16) * 8) * ST + kk * 16 + ((lane / 8) % 2) * 8);
             const unsigned low[2] = {b[0], b[1]}, high[2] = {b[2], b[3]};
-            sk_mma_16816(s[2 * nn], a, low);
-            sk_mma_16816(s[2 * nn + 1], a, high);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                sk_mma_16816(s[m][2 * nn], a[m], low);
+                sk_mma_16816(s[m][2 * nn + 1], a[m], high);
+            }
         }
     }
 }
@@ -74,25 +83,27 @@ SK_DEVICE float quad_sum(float v) {
 
 // grid (query tiles, sequence * head), WARPS * 32 threads; the schedule's tiles are BLOCK_Q x BLOCK_K.
 // Writes kl_rows, lse1, lse2, expect for every row of the tile, as kl_forward does.
-template <int D1P, int D2P, int BLOCK_K, int WARPS, int STAGES>
+template <int D1P, int D2P, int BLOCK_K, int M_TILES, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
     constexpr int THREADS = WARPS * 32;
-    constexpr int BLOCK_Q = 16 * WARPS;
+    constexpr int WARP_ROWS = 16 * M_TILES;
+    constexpr int BLOCK_Q = WARP_ROWS * WARPS;
+    constexpr int ROWS = 2 * M_TILES;  // rows of this lane: g and g + 8 of each 16-row block
     constexpr int ST1 = D1P + 8, ST2 = D2P + 8;
-    constexpr int NT = BLOCK_K / 8;  // 8-key C fragments per row block
+    constexpr int NT = BLOCK_K / 8;  // 8-key C fragments per 16-row block
     constexpr int STAGE = BLOCK_K * (ST1 + ST2);
-    static_assert(D1P % 16 == 0 && D2P % 16 == 0 && BLOCK_K % 16 == 0 && STAGES >= 2, "tile shape");
+    static_assert(D1P % 16 == 0 && D2P % 16 == 0 && BLOCK_K % 16 == 0 && NT <= 16 && STAGES >= 2, "tile shape");
 
     SK_DYNAMIC_SMEM(mma_smem);  // its own name: kernels.cu's extern "C" kernels declare `smem`
     input_t* q1s = reinterpret_cast<input_t*>(mma_smem);  // [BLOCK_Q][ST1]
-    input_t* q2s = q1s + BLOCK_Q * ST1;                // [BLOCK_Q][ST2]
-    input_t* ring = q2s + BLOCK_Q * ST2;               // STAGES x ([BLOCK_K][ST1], [BLOCK_K][ST2])
+    input_t* q2s = q1s + BLOCK_Q * ST1;                    // [BLOCK_Q][ST2]
+    input_t* ring = q2s + BLOCK_Q * ST2;                   // STAGES x ([BLOCK_K][ST1], [BLOCK_K][ST2])
 
     const int pair = block_pair();
     if (pair >= p.batch_heads) return;
     const int seq = pair / p.heads;
     const int head = pair - seq * p.heads;
-    const int tile = blockIdx.x;
+    const int tile = (int)(gridDim.x - 1 - blockIdx.x);  // last tiles first: causal ones have the most keys
     const SeqSpan span = seq_span(p, seq);
     const int row0 = tile * BLOCK_Q;
     if (row0 >= span.len_q) return;  // a tile past this sequence's end (packed sequences)
@@ -138,13 +149,17 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
 
     const float neg_inf = -sk_inf();
     const float log2_scale1 = p.scale1 * SK_LOG2E, log2_scale2 = p.scale2 * SK_LOG2E;
-    // statistics of rows g (index 0) and g + 8 (index 1) of this warp, in log2 units; l1, l2, acc
-    // are this lane's partial sums (its 2 of every 8 keys), summed over the quad at the end
-    float m1[2] = {neg_inf, neg_inf}, m2[2] = {neg_inf, neg_inf};
-    float l1[2] = {0.0f, 0.0f}, l2[2] = {0.0f, 0.0f}, acc[2] = {0.0f, 0.0f};
-    bool uncovered[2] = {false, false};  // a key allowed on side 1 only (structure)
-    bool seen1[2] = {false, false};      // any key allowed on side 1 (structure)
-    const int i_base = row0 + warp * 16 + g;  // sequence-local query row of index 0
+    // statistics of this lane's rows (h: block h / 2, row g + 8 (h % 2)), in log2 units; l1, l2,
+    // acc are this lane's partial sums (its 2 of every 8 keys), summed over the quad at the end
+    float m1[ROWS], m2[ROWS], l1[ROWS], l2[ROWS], acc[ROWS];
+    bool uncovered[ROWS], seen1[ROWS];  // a key allowed on side 1 only / any key on side 1 (structure)
+#pragma unroll
+    for (int h = 0; h < ROWS; ++h) {
+        m1[h] = m2[h] = neg_inf;
+        l1[h] = l2[h] = acc[h] = 0.0f;
+        uncovered[h] = seen1[h] = false;
+    }
+    const int warp_row0 = row0 + warp * WARP_ROWS + g;  // sequence-local query row of h = 0
 
     for (int visit = 0; visit < count; ++visit) {
         sk_cp_async_wait<STAGES - 2>();
@@ -161,45 +176,56 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
         sk_cp_async_commit();
 
         const input_t* k1s = ring + (visit % STAGES) * STAGE;
-        float s1[NT][4], s2[NT][4], diff[NT][4];
-        warp_scores<D1P, NT>(s1, q1s + warp * 16 * ST1, k1s, lane);
-        warp_scores<D2P, NT>(s2, q2s + warp * 16 * ST2, k1s + BLOCK_K * ST1, lane);
+        float s1[M_TILES][NT][4], s2[M_TILES][NT][4];
+        warp_scores<D1P, M_TILES, NT>(s1, q1s + warp * WARP_ROWS * ST1, k1s, lane);
+        warp_scores<D2P, M_TILES, NT>(s2, q2s + warp * WARP_ROWS * ST2, k1s + BLOCK_K * ST1, lane);
 
+        // bit 2n + (r % 2) of both[h]: key 8n + 2c + (r % 2) is allowed on both sides for row h,
+        // where d = s1 - s2 counts (0 elsewhere)
+        unsigned both[ROWS];
         const bool partial = kv_partial[visit] != 0;
         const int key0 = kv_index[visit] * BLOCK_K;
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+        for (int h = 0; h < ROWS; ++h) both[h] = 0xffffffffu;
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                s1[n][r] *= log2_scale1;
-                s2[n][r] *= log2_scale2;
-                diff[n][r] = s1[n][r] - s2[n][r];
-            }
-        if (partial) {
+        for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    bool allowed1, allowed2;
-                    element_allowed(p, masks, i_base + 8 * (r / 2), key0 + 8 * n + 2 * c + (r % 2), span.len_q,
-                                    span.len_k, allowed1, allowed2);
-                    if (!allowed1) s1[n][r] = neg_inf;
-                    if (!allowed2) s2[n][r] = neg_inf;
-                    if (!(allowed1 && allowed2)) diff[n][r] = 0.0f;
-                    uncovered[r / 2] = uncovered[r / 2] || (allowed1 && !allowed2);
-                    seen1[r / 2] = seen1[r / 2] || allowed1;
+                    s1[m][n][r] *= log2_scale1;
+                    s2[m][n][r] *= log2_scale2;
                 }
+        if (partial) {
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int h = 2 * m + r / 2;
+                        bool allowed1, allowed2;
+                        element_allowed(p, masks, warp_row0 + 8 * h, key0 + 8 * n + 2 * c + (r % 2), span.len_q,
+                                        span.len_k, allowed1, allowed2);
+                        if (!allowed1) s1[m][n][r] = neg_inf;
+                        if (!allowed2) s2[m][n][r] = neg_inf;
+                        if (!(allowed1 && allowed2)) both[h] &= ~(1u << (2 * n + r % 2));
+                        uncovered[h] = uncovered[h] || (allowed1 && !allowed2);
+                        seen1[h] = seen1[h] || allowed1;
+                    }
         } else {
-            seen1[0] = seen1[1] = true;  // a full tile allows every key to every row on both sides
+#pragma unroll
+            for (int h = 0; h < ROWS; ++h) seen1[h] = true;  // a full tile allows every key on both sides
         }
 
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < ROWS; ++h) {
+            const int m = h / 2, r0 = 2 * (h % 2);
             float max1 = neg_inf, max2 = neg_inf;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                max1 = fmaxf(max1, fmaxf(s1[n][2 * h], s1[n][2 * h + 1]));
-                max2 = fmaxf(max2, fmaxf(s2[n][2 * h], s2[n][2 * h + 1]));
+                max1 = fmaxf(max1, fmaxf(s1[m][n][r0], s1[m][n][r0 + 1]));
+                max2 = fmaxf(max2, fmaxf(s2[m][n][r0], s2[m][n][r0 + 1]));
             }
             const float m1_new = fmaxf(m1[h], quad_max(max1));
             const float m2_new = fmaxf(m2[h], quad_max(max2));
@@ -210,11 +236,12 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
-                for (int r = 2 * h; r < 2 * h + 2; ++r) {
-                    const float e1 = exp2f(s1[n][r] - shift1);
+                for (int e = 0; e < 2; ++e) {
+                    const float e1 = exp2f(s1[m][n][r0 + e] - shift1);
                     sum1 += e1;
-                    sum_diff += e1 * diff[n][r];
-                    sum2 += exp2f(s2[n][r] - shift2);
+                    const bool counts = (both[h] >> (2 * n + e)) & 1u;
+                    sum_diff += e1 * (counts ? s1[m][n][r0 + e] - s2[m][n][r0 + e] : 0.0f);
+                    sum2 += exp2f(s2[m][n][r0 + e] - shift2);
                 }
             const float alpha1 = exp2f(m1[h] - shift1);
             l1[h] = l1[h] * alpha1 + sum1;
@@ -228,11 +255,11 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
 
     // finalize (SPEC 4) as kl_forward does, converting log2 units back to natural ones
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < ROWS; ++h) {
         const float sum1 = quad_sum(l1[h]), sum2 = quad_sum(l2[h]), sum_diff = quad_sum(acc[h]);
         const bool any_uncovered = quad_max(uncovered[h] ? 1.0f : 0.0f) > 0.0f;
         const bool any_seen1 = quad_max(seen1[h] ? 1.0f : 0.0f) > 0.0f;
-        const int i = i_base + 8 * h;
+        const int i = warp_row0 + 8 * h;
         if (c != 0 || i >= span.len_q) continue;
         const bool empty1 = !any_seen1;
         const float log_l1 = log2f(sum1), log_l2 = log2f(sum2);

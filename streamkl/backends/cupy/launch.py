@@ -26,6 +26,7 @@ from streamkl.sparse.schedule import TileSchedule, get_key_schedule, get_schedul
 
 SOURCE = Path(__file__).with_name("kernels.cu")
 _INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^#pragma once[ \t]*$", re.M)  # each file is inlined once; not in a main file
 BLOCK_Q, BLOCK_K = 64, 32  # the schedule tile the kernels walk (SK_BLOCK_Q, SK_BLOCK_K)
 THREADS = 256
 BWD_ROWS = 32  # rows per backward block (SK_BWD_ROWS)
@@ -69,7 +70,7 @@ def source_text() -> str:
             if name in seen:
                 return ""
             seen.add(name)
-            return expand((SOURCE.parent / name).read_text())
+            return expand(_PRAGMA_ONCE.sub("", (SOURCE.parent / name).read_text()))
 
         return _INCLUDE.sub(inline, text)
 
@@ -78,26 +79,27 @@ def source_text() -> str:
 
 @dataclass(frozen=True)
 class MmaForward:
-    """Template arguments of kl_forward_mma<dim1, dim2, block_k, warps, stages> (forward_mma.cuh):
-    head dims rounded up to 16, key tile, warps per block (16 query rows each), cp.async stages."""
+    """Template arguments of kl_forward_mma (forward_mma.cuh): head dims rounded up to 16, the key
+    tile, 16-row blocks per warp, warps per block, cp.async stages."""
 
     dim1: int
     dim2: int
     block_k: int
+    m_tiles: int
     warps: int = 4
     stages: int = 2
 
     @property
     def block_q(self) -> int:
-        return 16 * self.warps
+        return 16 * self.m_tiles * self.warps
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
     @property
-    def args(self) -> tuple[int, int, int, int, int]:
-        return (self.dim1, self.dim2, self.block_k, self.warps, self.stages)
+    def args(self) -> tuple[int, ...]:
+        return (self.dim1, self.dim2, self.block_k, self.m_tiles, self.warps, self.stages)
 
     @property
     def name(self) -> str:
@@ -115,8 +117,10 @@ def forward_variant(problem: Problem) -> MmaForward | None:
     if problem.dtype == torch.float32:
         return None
     dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
-    # 64-key tiles while both sides' score tiles and ring fit comfortably; 32 for the widest heads
-    return MmaForward(dim1, dim2, block_k=64 if dim1 + dim2 <= 256 else 32)
+    # two 16-row blocks per warp share every key fragment (half the shared-memory reads) while the
+    # score tiles fit the registers without spilling (166 at 128 + 128, nvcc -Xptxas -v) and two
+    # blocks fit an SM; wider heads keep one block per warp, in half the shared memory
+    return MmaForward(dim1, dim2, block_k=32, m_tiles=2 if dim1 + dim2 <= 256 else 1)
 
 
 def forward_tiles(problem: Problem) -> tuple[int, int]:
@@ -204,7 +208,7 @@ def _launch(kernel: str, tiles: int, pairs: int, params: np.ndarray, problem: Pr
     code = INPUT_CODES[problem.dtype]
     if emulate.emulating():
         # one emulator library per (dtype, forward variant) serves all of a problem's launches
-        forward = forward_variant(problem)
+        forward = variant if mma else forward_variant(problem)
         index = 3 if mma else KERNELS.index(kernel)
         emulate.launch(index, grid, threads, smem, params, code, None if forward is None else forward.args)
         return
@@ -346,8 +350,15 @@ def _rows_16_byte_aligned(problem: Problem, tensors) -> bool:
 # ---------------------------------------------------------------------------------- forward
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     """(kl_rows, lse1, lse2, expect) as backends/base.py documents."""
-    variant = forward_variant(problem)
-    _check_schedule(schedule, forward_tiles(problem))
+    return forward_with(forward_variant(problem), problem, q1, k1, q2, k2, schedule)
+
+
+def forward_with(variant: MmaForward | None, problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
+    """`kl_forward` on a named kernel: `variant` of the tensor-core forward (half inputs), or None
+    for the float32 FMA kernel; `schedule` of its tiles. Benchmarks compare variants through it."""
+    if variant is not None and problem.dtype == torch.float32:
+        raise ValueError("streamkl cupy backend: the tensor-core forward takes float16 / bfloat16 inputs")
+    _check_schedule(schedule, (BLOCK_Q, BLOCK_K) if variant is None else (variant.block_q, variant.block_k))
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
     if kl_rows.numel() == 0:
