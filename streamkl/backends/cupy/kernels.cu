@@ -16,8 +16,9 @@
 // float32, half inputs are converted exactly on load).
 //
 // The host side (launch.py) walks the tile schedule of streamkl/sparse/schedule.py: block_q = 64,
-// block_k = 32. KLParams below is the single source of truth for the argument layout: launch.py
-// parses this struct to build the matching NumPy record.
+// block_k = 32 for the kernels of this file, the tensor-core forward's own tiles for it
+// (launch.forward_variant). KLParams below is the single source of truth for the argument layout:
+// launch.py parses this struct to build the matching NumPy record.
 
 #ifndef STREAMKL_EMULATE
 #define SK_DEVICE __device__ __forceinline__
