@@ -58,18 +58,13 @@ extern "C" int emu_params_size() { return (int)sizeof(KLParams); }
 static void forward_mma(const KLParams p) { kl_forward_mma<SK_MMA_VARIANT>(p); }
 #endif
 
-// kernel: 0 forward, 1 dq, 2 dk, 3 the tensor-core forward of this library's SK_MMA_VARIANT.
-// Shared memory starts as NaN (in float32, float16 and bfloat16 alike) before every block, so a
-// read of anything a block did not write shows up in the results.
-extern "C" void emu_launch(int kernel, int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
-                           const KLParams* params) {
-    typedef void (*kernel_fn)(const KLParams);
-    kernel_fn fn = kernel == 0 ? kl_forward : kernel == 1 ? kl_backward_dq : kl_backward_dk;
-#if defined(SK_MMA_VARIANT) && STREAMKL_INPUT != 0
-    if (kernel == 3) fn = forward_mma;
-#else
-    if (kernel == 3) std::abort();  // launch.py builds a library with the variant it launches
-#endif
+// Runs `fn` over the grid, one std::thread per CUDA thread, block after block. Shared memory
+// starts as NaN (in float32, float16 and bfloat16 alike) before every block, so a read of anything
+// a block did not write shows up in the results.
+typedef void (*kernel_fn)(const KLParams);
+
+void emu_run(kernel_fn fn, int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
+             const KLParams* params) {
     const size_t words = (size_t)(smem_bytes + 3) / 4 + 4;
     unsigned* memory = static_cast<unsigned*>(std::aligned_alloc(64, ((words * 4 + 63) / 64) * 64));
     shared_memory = reinterpret_cast<float*>(memory);
@@ -101,4 +96,16 @@ extern "C" void emu_launch(int kernel, int grid_x, int grid_y, int grid_z, int t
     }
     for (auto& thread : pool) thread.join();
     std::free(memory);
+}
+
+// kernel: 0 forward, 1 dq, 2 dk, 3 the tensor-core forward of this library's SK_MMA_VARIANT
+extern "C" void emu_launch(int kernel, int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
+                           const KLParams* params) {
+    kernel_fn fn = kernel == 0 ? kl_forward : kernel == 1 ? kl_backward_dq : kl_backward_dk;
+#if defined(SK_MMA_VARIANT) && STREAMKL_INPUT != 0
+    if (kernel == 3) fn = forward_mma;
+#else
+    if (kernel == 3) std::abort();  // launch.py builds a library with the variant it launches
+#endif
+    emu_run(fn, grid_x, grid_y, grid_z, threads, smem_bytes, params);
 }
