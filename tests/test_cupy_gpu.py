@@ -21,7 +21,7 @@ from helpers import check_against_reference, make_inputs, rel_l2
 import streamkl
 from streamkl import BlockMask
 from streamkl.backends.cupy import CupyBackend, emulate
-from streamkl.backends.cupy.launch import SOURCE, params_dtype, shared_bytes
+from streamkl.backends.cupy.launch import SOURCE, MmaForward, forward_variant, params_dtype, shared_bytes, source_text
 from streamkl.reference import reference_kl
 from streamkl.varlen import cu_seqlens_from_lengths
 
@@ -35,11 +35,22 @@ DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
 
 # ---------------------------------------------------------------------------------- no GPU needed
+# tensor-core forward variants the nvcc test instantiates: 64- and 32-key tiles, D1 != D2, the widest
+MMA_VARIANTS = [MmaForward(128, 128, 32, 2), MmaForward(64, 32, 64, 1), MmaForward(256, 256, 32, 1)]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize(
-    "arch,code", [(80, 0), (80, 1), (80, 2), (90, 1)], ids=["sm80-fp32", "sm80-fp16", "sm80-bf16", "sm90-fp16"]
+    "arch,code",
+    [(80, 0), (80, 1), (80, 2), (90, 1), (90, 2)],
+    ids=["sm80-fp32", "sm80-fp16", "sm80-bf16", "sm90-fp16", "sm90-bf16"],
 )
 def test_kernels_compile_with_nvcc(arch, code, tmp_path):
+    unit = tmp_path / "unit.cu"  # the text NVRTC compiles (local includes inlined)
+    lines = [source_text()]
+    if code != 0:  # the tensor-core forward is a template: instantiate the variants it is launched as
+        lines += [f"template __global__ void {v.name}(const KLParams);" for v in MMA_VARIANTS]
+    unit.write_text("\n".join(lines) + "\n")
     result = subprocess.run(
         [
             "nvcc",
@@ -47,7 +58,7 @@ def test_kernels_compile_with_nvcc(arch, code, tmp_path):
             "-std=c++17",
             f"-DSTREAMKL_INPUT={code}",
             "-c",
-            str(SOURCE),
+            str(unit),
             "-o",
             str(tmp_path / "kernels.o"),
         ],
@@ -55,6 +66,43 @@ def test_kernels_compile_with_nvcc(arch, code, tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
+    assert "warning" not in (result.stdout + result.stderr).lower(), result.stdout + result.stderr
+
+
+def test_nvrtc_source_inlines_the_local_includes():
+    text = source_text()
+    assert '#include "' not in text
+    assert "kl_forward_mma" in text and "sk_mma_16816" in text and "#pragma once" not in text
+
+
+@pytest.mark.parametrize(
+    "dtype,dims,expected",
+    [
+        (torch.float32, (128, 128), None),
+        (torch.bfloat16, (128, 128), MmaForward(128, 128, 32, 2)),
+        (torch.float16, (80, 24), MmaForward(80, 32, 32, 2)),
+        (torch.bfloat16, (1, 7), MmaForward(16, 16, 32, 2)),
+        (torch.bfloat16, (200, 130), MmaForward(208, 144, 32, 1)),
+        (torch.float16, (256, 256), MmaForward(256, 256, 32, 1)),
+    ],
+    ids=["fp32-fma", "bf16-128", "fp16-80x24", "bf16-1x7", "bf16-200x130", "fp16-256"],
+)
+def test_forward_variant_follows_the_problem(dtype, dims, expected):
+    from streamkl.backends.cupy.launch import forward_tiles
+    from streamkl.problem import build_problem
+
+    q1 = torch.randn(1, 70, 2, dims[0]).to(dtype)
+    q2 = torch.randn(1, 70, 2, dims[1]).to(dtype)
+    problem = build_problem(q1, q1, q2, q2)
+    assert forward_variant(problem) == expected
+    assert forward_tiles(problem) == ((64, 32) if expected is None else (expected.block_q, expected.block_k))
+
+
+def test_tensor_core_forward_fits_shared_memory():
+    widest = MmaForward(256, 256, 32, 1)
+    assert widest.shared_bytes <= 163 * 1024  # A100's opt-in limit; Hopper allows 227 KiB
+    for dim1 in range(16, 256, 16):  # every two-block-per-warp variant: two blocks per SM on Hopper
+        assert 2 * MmaForward(dim1, 256 - dim1, 32, 2).shared_bytes <= 227 * 1024
 
 
 def test_params_record_follows_the_struct():
@@ -160,8 +208,8 @@ def test_partial_gradients(requires_grad):
     "options", [dict(), dict(causal=True), dict(causal=True, window=(20, -1))], ids=["dense", "causal", "causal-win20"]
 )
 def test_varlen_with_empty_sequences(options, dtype):
-    if EMULATED and dtype != torch.float32:
-        pytest.skip("emulator: float32 only")
+    if EMULATED and dtype == torch.float16:
+        pytest.skip("emulator: float32 and bfloat16 only")
     len_q, len_k = [37, 0, 100, 5, 64, 0], [50, 3, 0, 20, 77, 9]
     cu_q, cu_k = cu_seqlens_from_lengths(len_q, DEVICE), cu_seqlens_from_lengths(len_k, DEVICE)
     inputs = make_inputs((sum(len_q) + 6,), (sum(len_k) + 2,), 4, (2, 1), (40, 24), dtype, DEVICE)
@@ -191,6 +239,44 @@ def test_block_masks(sides, blocks):
     out = check_against_reference(inputs, "cupy", causal=True, **masks)
     if sides == "side2":  # a dense teacher against a sparse student: +inf rows exist
         assert torch.isinf(out).any()
+
+
+@needs_backend
+@pytest.mark.parametrize("blocks", [(16, 64), (128, 32)], ids=["b16x64", "b128x32"])
+def test_block_masks_tensor_core_forward(blocks):
+    """Different masks per side, mask blocks narrower and wider than the forward's 64-key tiles."""
+    batch, n_q, n_k, heads = 1, 75, 140, 2
+    bq, bk = blocks
+    shape = (batch, heads, -(-n_q // bq), -(-n_k // bk))
+    pattern = torch.rand(shape, device=DEVICE) < 0.5
+    pattern[..., 0] = True
+    wider = pattern | (torch.rand(shape, device=DEVICE) < 0.3)
+    masks = dict(mask1=BlockMask.from_dense(pattern, blocks), mask2=BlockMask.from_dense(wider, blocks))
+    inputs = make_inputs((batch, n_q), (batch, n_k), heads, (2, 1), (32, 16), torch.bfloat16, DEVICE)
+    check_against_reference(inputs, "cupy", check_grads=False, causal=True, **masks)
+
+
+@needs_backend
+def test_widest_heads_tensor_core_forward():
+    """Head dims past 256 together take one 16-row block per warp (a 64-row tile)."""
+    inputs = make_inputs((1, 70), (1, 50), 2, (1, 2), (160, 136), torch.float16, DEVICE, (False,) * 4)
+    check_against_reference(inputs, "cupy", causal=True)
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unaligned_rows_match_aligned(dtype):
+    """Rows that do not start on 16 bytes take the element-wise loads: the same bits in shared
+    memory, so the same results as the 16-byte cp.async path."""
+    aligned = make_inputs((1, 70), (1, 90), 2, (2, 1), (40, 32), dtype, DEVICE, (False,) * 4)
+    unaligned = []
+    for t in aligned:
+        room = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=dtype, device=DEVICE)
+        room[..., 1:] = t
+        unaligned.append(room[..., 1:])  # rows start 2 bytes past an alignment, odd strides
+    a = streamkl.kl(*aligned, reduction="none", causal=True, backend="cupy")
+    b = streamkl.kl(*unaligned, reduction="none", causal=True, backend="cupy")
+    assert torch.equal(a, b)
 
 
 @needs_backend

@@ -1,7 +1,9 @@
 """CuPy `RawKernel` backend: CUDA C++ kernels (kernels.cu) compiled by NVRTC through CuPy, launched
 on torch's current stream with torch tensors passed by address (no copies).
 
-- forward: one block per (query tile, sequence * head), the SPEC's five running statistics;
+- forward: one block per (query tile, sequence * head), the SPEC's five running statistics; on
+  tensor cores (mma.sync, FlashAttention-2 structure) for float16 / bfloat16, exact float32 FMAs
+  for float32 (`launch.forward_variant` decides);
 - backward: a q-major dq kernel and a key-major dk kernel over the transposed schedule, each
   owning its outputs, so gradients are bitwise reproducible whether or not `deterministic`.
 
@@ -60,6 +62,9 @@ class CupyBackend(Backend):
                 reasons.append(f"head dim of side {side} is {dim}; the CuPy kernels take at most {MAX_HEAD_DIM}")
         if not reasons and problem.device.type == "cuda":
             need = max(launch.shared_bytes(problem.dim1, problem.dim2).values())
+            variant = launch.forward_variant(problem)
+            if variant is not None:
+                need = max(need, variant.shared_bytes)
             limit = launch.shared_memory_limit(problem.device)
             if need > limit:
                 reasons.append(
@@ -69,9 +74,9 @@ class CupyBackend(Backend):
         return reasons
 
     def tile_sizes(self, problem: Problem) -> tuple[int, int]:
-        from streamkl.backends.cupy.launch import BLOCK_K, BLOCK_Q
+        from streamkl.backends.cupy.launch import forward_tiles
 
-        return BLOCK_Q, BLOCK_K
+        return forward_tiles(problem)
 
     def forward(self, problem: Problem, q1, k1, q2, k2, schedule):
         from streamkl.backends.cupy.launch import kl_forward

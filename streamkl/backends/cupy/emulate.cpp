@@ -3,7 +3,8 @@
 
 #include <barrier>
 #include <cstdlib>
-#include <limits>
+#include <deque>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -16,23 +17,62 @@ emu_dim3 gridDim;
 
 static std::barrier<>* block_barrier = nullptr;
 static float* shared_memory = nullptr;
+static std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+static std::vector<sk_u64> warp_scratch;  // [warps][32 lanes][EMU_SCRATCH_SLOTS]
 
 void __syncthreads() { block_barrier->arrive_and_wait(); }
 float* emu_shared_memory() { return shared_memory; }
+sk_u64* emu_warp_scratch() { return warp_scratch.data() + (threadIdx.x / 32) * 32 * EMU_SCRATCH_SLOTS; }
+void emu_warp_sync() { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
+
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    int bytes, src_bytes;
+};
+static thread_local std::vector<AsyncCopy> open_group;
+static thread_local std::deque<std::vector<AsyncCopy>> committed_groups;
+
+void emu_cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    open_group.push_back({dst, src, bytes, src_bytes});
+}
+
+void emu_cp_async_commit() {
+    committed_groups.push_back(std::move(open_group));
+    open_group.clear();
+}
+
+void emu_cp_async_wait(int pending) {
+    while ((int)committed_groups.size() > pending) {
+        for (const AsyncCopy& copy : committed_groups.front()) {
+            std::memcpy(copy.dst, copy.src, copy.src_bytes);
+            std::memset(static_cast<char*>(copy.dst) + copy.src_bytes, 0, copy.bytes - copy.src_bytes);
+        }
+        committed_groups.pop_front();
+    }
+}
 
 extern "C" int emu_params_size() { return (int)sizeof(KLParams); }
 
-// kernel: 0 forward, 1 dq, 2 dk. Shared memory starts as NaN before every block, so a read of
-// anything a block did not write shows up in the results.
-extern "C" void emu_launch(int kernel, int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
-                           const KLParams* params) {
-    typedef void (*kernel_fn)(const KLParams);
-    kernel_fn fn = kernel == 0 ? kl_forward : kernel == 1 ? kl_backward_dq : kl_backward_dk;
-    const size_t floats = (size_t)(smem_bytes + 3) / 4 + 4;
-    float* memory = static_cast<float*>(std::aligned_alloc(64, ((floats * 4 + 63) / 64) * 64));
-    shared_memory = memory;
+#if defined(SK_MMA_VARIANT) && STREAMKL_INPUT != 0
+static void forward_mma(const KLParams p) { kl_forward_mma<SK_MMA_VARIANT>(p); }
+#endif
+
+// Runs `fn` over the grid, one std::thread per CUDA thread, block after block. Shared memory
+// starts as NaN (in float32, float16 and bfloat16 alike) before every block, so a read of anything
+// a block did not write shows up in the results.
+typedef void (*kernel_fn)(const KLParams);
+
+void emu_run(kernel_fn fn, int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
+             const KLParams* params) {
+    const size_t words = (size_t)(smem_bytes + 3) / 4 + 4;
+    unsigned* memory = static_cast<unsigned*>(std::aligned_alloc(64, ((words * 4 + 63) / 64) * 64));
+    shared_memory = reinterpret_cast<float*>(memory);
     std::barrier<> barrier(threads);
     block_barrier = &barrier;
+    warp_barriers.clear();
+    for (int w = 0; w < (threads + 31) / 32; ++w) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+    warp_scratch.assign((size_t)((threads + 31) / 32) * 32 * EMU_SCRATCH_SLOTS, 0);
     blockDim = {(unsigned)threads, 1, 1};
     gridDim = {(unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z};
     const KLParams p = *params;
@@ -45,14 +85,27 @@ extern "C" void emu_launch(int kernel, int grid_x, int grid_y, int grid_z, int t
                 for (int y = 0; y < grid_y; ++y)
                     for (int x = 0; x < grid_x; ++x) {
                         if (t == 0)
-                            for (size_t k = 0; k < floats; ++k) memory[k] = std::numeric_limits<float>::quiet_NaN();
+                            for (size_t k = 0; k < words; ++k) memory[k] = 0x7fc07fc0u;  // NaN in every width
                         barrier.arrive_and_wait();
                         blockIdx = {(unsigned)x, (unsigned)y, (unsigned)z};
                         fn(p);
+                        emu_cp_async_wait(0);
                         barrier.arrive_and_wait();
                     }
         });
     }
     for (auto& thread : pool) thread.join();
     std::free(memory);
+}
+
+// kernel: 0 forward, 1 dq, 2 dk, 3 the tensor-core forward of this library's SK_MMA_VARIANT
+extern "C" void emu_launch(int kernel, int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
+                           const KLParams* params) {
+    kernel_fn fn = kernel == 0 ? kl_forward : kernel == 1 ? kl_backward_dq : kl_backward_dk;
+#if defined(SK_MMA_VARIANT) && STREAMKL_INPUT != 0
+    if (kernel == 3) fn = forward_mma;
+#else
+    if (kernel == 3) std::abort();  // launch.py builds a library with the variant it launches
+#endif
+    emu_run(fn, grid_x, grid_y, grid_z, threads, smem_bytes, params);
 }

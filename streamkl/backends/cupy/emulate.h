@@ -1,8 +1,10 @@
 // Host emulation of the few CUDA constructs kernels.cu uses, so the same source runs on the CPU:
-// one std::thread per CUDA thread, blocks run one after another, __syncthreads is a barrier.
+// one std::thread per CUDA thread, blocks run one after another, __syncthreads is a barrier, and
+// the warp-level primitives of warp_ops.cuh meet at a per-warp barrier over a per-warp scratch.
 // For tests without a GPU (STREAMKL_CUPY_EMULATE=1); never used on the GPU path.
 #pragma once
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 
 #define STREAMKL_EMULATE 1
@@ -27,6 +29,16 @@ struct alignas(16) float4 {
 
 void __syncthreads();
 float* emu_shared_memory();
+
+// warp_ops.cuh: EMU_SCRATCH_SLOTS 64-bit slots per lane of the calling thread's warp, and the
+// barrier of that warp's 32 threads
+#define EMU_SCRATCH_SLOTS 8
+sk_u64* emu_warp_scratch();
+void emu_warp_sync();
+// cp.async: copies are queued per thread and done when a wait retires their group
+void emu_cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void emu_cp_async_commit();
+void emu_cp_async_wait(int pending);
 
 static inline float __uint_as_float(unsigned bits) {
     float value;

@@ -21,7 +21,7 @@ import numpy as np
 
 ENV_VAR = "STREAMKL_CUPY_EMULATE"
 _HERE = Path(__file__).parent
-_SOURCES = ("kernels.cu", "emulate.h", "emulate.cpp")
+_SOURCES = ("kernels.cu", "forward_mma.cuh", "warp_ops.cuh", "emulate.h", "emulate.cpp")
 
 
 def emulating() -> bool:
@@ -42,11 +42,13 @@ def reasons() -> list[str]:
 
 
 @functools.cache
-def _library(input_code: int) -> ctypes.CDLL:
+def _library(input_code: int, variant: tuple[int, ...] | None = None) -> ctypes.CDLL:
+    """The kernels for one input dtype; with `variant`, also the tensor-core forward
+    kl_forward_mma<variant> (launched as kernel 3)."""
     digest = hashlib.sha256()
     for name in _SOURCES:
         digest.update((_HERE / name).read_bytes())
-    digest.update(str(input_code).encode())
+    digest.update(f"{input_code}/{variant}".encode())
     cache = Path(tempfile.gettempdir()) / "streamkl-cupy-emulate"
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"kernels-{digest.hexdigest()[:16]}-{input_code}.so"
@@ -59,8 +61,10 @@ def _library(input_code: int) -> ctypes.CDLL:
             "-shared",
             "-fPIC",
             "-pthread",
+            "-fno-strict-aliasing",
             "-Wno-unknown-pragmas",
             f"-DSTREAMKL_INPUT={input_code}",
+            *([f"-DSK_MMA_VARIANT={','.join(map(str, variant))}"] if variant else []),
             str(_HERE / "emulate.cpp"),
             "-o",
             str(partial),
@@ -73,9 +77,18 @@ def _library(input_code: int) -> ctypes.CDLL:
     return library
 
 
-def launch(kernel: int, grid: tuple[int, int, int], threads: int, smem: int, params: np.ndarray, code: int) -> None:
-    """Run one launch to completion on CPU threads; `params` is the one-element KLParams record."""
-    library = _library(code)
+def launch(
+    kernel: int,
+    grid: tuple[int, int, int],
+    threads: int,
+    smem: int,
+    params: np.ndarray,
+    code: int,
+    variant: tuple[int, ...] | None = None,
+) -> None:
+    """Run one launch to completion on CPU threads; `params` is the one-element KLParams record,
+    `variant` the template arguments of kernel 3 (the tensor-core forward)."""
+    library = _library(code, variant)
     if library.emu_params_size() != params.dtype.itemsize:
         raise RuntimeError("KLParams layout differs between kernels.cu and launch.py")
     record = np.ascontiguousarray(params)

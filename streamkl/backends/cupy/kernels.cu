@@ -1,8 +1,11 @@
 // streamkl CUDA kernels: the forward pass and the two backward kernels (q-major dq, key-major dk).
 //
 // Compiled by CuPy (NVRTC) once per input dtype with -DSTREAMKL_INPUT=0 (float32), 1 (float16) or
-// 2 (bfloat16); no header is included, so NVRTC needs no CUDA include path. The same file also
-// compiles as host C++ under emulate.h (STREAMKL_EMULATE), which runs it on the CPU for tests.
+// 2 (bfloat16); no system header is included, so NVRTC needs no CUDA include path, and launch.py
+// inlines the local includes (forward_mma.cuh, warp_ops.cuh) so that CuPy's cache keys on the whole
+// text. The same file also compiles as host C++ under emulate.h (STREAMKL_EMULATE), which runs it
+// on the CPU for tests. float16 / bfloat16 inputs take the tensor-core forward of forward_mma.cuh;
+// kl_forward below serves float32 (exact FMA) and the backward kernels serve every dtype.
 //
 // Layout of the work: 256 threads per block, each thread owns one row (a query row in the forward
 // and dq kernels, a key row in the dk kernel) and one "part" of the other side's tile. A thread
@@ -13,8 +16,9 @@
 // float32, half inputs are converted exactly on load).
 //
 // The host side (launch.py) walks the tile schedule of streamkl/sparse/schedule.py: block_q = 64,
-// block_k = 32. KLParams below is the single source of truth for the argument layout: launch.py
-// parses this struct to build the matching NumPy record.
+// block_k = 32 for the kernels of this file, the tensor-core forward's own tiles for it
+// (launch.forward_variant). KLParams below is the single source of truth for the argument layout:
+// launch.py parses this struct to build the matching NumPy record.
 
 #ifndef STREAMKL_EMULATE
 #define SK_DEVICE __device__ __forceinline__
@@ -89,6 +93,7 @@ struct KLParams {
     int window_left, window_right;  // causality folded into window_right; -1 is unbounded
     int need_dq1, need_dk1, need_dq2, need_dk2;
     int batch_heads;             // number of (sequence, head) pairs in the launch grid
+    int vector_loads;            // tensor-core forward: every input row starts 16-byte aligned, dims % 8 == 0
     float scale1, scale2;
 };
 
@@ -660,3 +665,7 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_backward_dk(const KL
         store_rows(reinterpret_cast<float*>(p.dk2) + seq * p.dk2_b + token0 * p.dk2_n + head_k * p.dk2_h, p.dk2_n,
                    acc2, st2, valid_k, p.dim2, p.scale2);
 }
+
+#if STREAMKL_INPUT != 0
+#include "forward_mma.cuh"
+#endif

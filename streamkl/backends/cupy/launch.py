@@ -1,7 +1,11 @@
-"""Host side of the CuPy backend: compile kernels.cu once per input dtype and device, pack the
-kernels' one argument record (KLParams, parsed from the .cu so that the two never disagree) and
-launch on torch's current stream. Tensors go to the kernels as raw addresses with explicit
-strides: no copy, any strides with a contiguous last dimension. No host sync in this path.
+"""Host side of the CuPy backend: compile kernels.cu once per input dtype and device (the
+tensor-core forward once per template variant), pack the kernels' one argument record (KLParams,
+parsed from the .cu so that the two never disagree) and launch on torch's current stream. Tensors
+go to the kernels as raw addresses with explicit strides: no copy, any strides with a contiguous
+last dimension. No host sync in this path.
+
+Which forward serves a problem is `forward_variant(problem)`: the tensor-core kernel
+(forward_mma.cuh) for float16 / bfloat16, the exact float32 FMA kernel for float32.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +22,11 @@ import torch
 from streamkl.backends.base import new_outputs, write_tail_rows
 from streamkl.backends.cupy import emulate
 from streamkl.problem import Problem, SideMask
-from streamkl.sparse.schedule import TileSchedule, get_key_schedule
+from streamkl.sparse.schedule import TileSchedule, get_key_schedule, get_schedule
 
 SOURCE = Path(__file__).with_name("kernels.cu")
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^#pragma once[ \t]*$", re.M)  # each file is inlined once; not in a main file
 BLOCK_Q, BLOCK_K = 64, 32  # the schedule tile the kernels walk (SK_BLOCK_Q, SK_BLOCK_K)
 THREADS = 256
 BWD_ROWS = 32  # rows per backward block (SK_BWD_ROWS)
@@ -51,6 +58,77 @@ def params_dtype() -> np.dtype:
     return np.dtype({"names": names, "formats": formats}, align=True)
 
 
+@functools.lru_cache(maxsize=1)
+def source_text() -> str:
+    """kernels.cu with its local includes inlined (each once), the text NVRTC compiles: CuPy's
+    on-disk cache keys on it, so a change in any included file recompiles."""
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def inline(match: re.Match) -> str:
+            name = match.group(1)
+            if name in seen:
+                return ""
+            seen.add(name)
+            return expand(_PRAGMA_ONCE.sub("", (SOURCE.parent / name).read_text()))
+
+        return _INCLUDE.sub(inline, text)
+
+    return expand(SOURCE.read_text())
+
+
+@dataclass(frozen=True)
+class MmaForward:
+    """Template arguments of kl_forward_mma (forward_mma.cuh): head dims rounded up to 16, the key
+    tile, 16-row blocks per warp, warps per block, cp.async stages."""
+
+    dim1: int
+    dim2: int
+    block_k: int
+    m_tiles: int
+    warps: int = 4
+    stages: int = 2
+
+    @property
+    def block_q(self) -> int:
+        return 16 * self.m_tiles * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        return (self.dim1, self.dim2, self.block_k, self.m_tiles, self.warps, self.stages)
+
+    @property
+    def name(self) -> str:
+        return f"kl_forward_mma<{', '.join(map(str, self.args))}>"
+
+    @property
+    def shared_bytes(self) -> int:
+        row_bytes = 2 * (self.dim1 + 8 + self.dim2 + 8)  # rows padded by one 16-byte chunk
+        return (self.block_q + self.stages * self.block_k) * row_bytes
+
+
+def forward_variant(problem: Problem) -> MmaForward | None:
+    """The tensor-core forward serving `problem`, or None: the float32 FMA kernel serves it
+    (float32 inputs are multiplied in full float32, SPEC section 2)."""
+    if problem.dtype == torch.float32:
+        return None
+    dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
+    # two 16-row blocks per warp share every key fragment (half the shared-memory reads) while the
+    # score tiles fit the registers without spilling (166 at 128 + 128, nvcc -Xptxas -v) and two
+    # blocks fit an SM; wider heads keep one block per warp, in half the shared memory
+    return MmaForward(dim1, dim2, block_k=32, m_tiles=2 if dim1 + dim2 <= 256 else 1)
+
+
+def forward_tiles(problem: Problem) -> tuple[int, int]:
+    """(block_q, block_k) of the schedule the forward walks."""
+    variant = forward_variant(problem)
+    return (BLOCK_Q, BLOCK_K) if variant is None else (variant.block_q, variant.block_k)
+
+
 def smem_stride(dim: int) -> int:
     """Shared-memory row stride in floats: a multiple of 4, an odd number of float4 (no conflicts)."""
     stride = (dim + 3) // 4 * 4
@@ -75,7 +153,7 @@ def _functions(input_code: int, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"))
+        module = cupy.RawModule(code=source_text(), options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"))
         try:
             functions = {name: module.get_function(name) for name in KERNELS}
         except Exception as exc:
@@ -84,6 +162,25 @@ def _functions(input_code: int, device_index: int):
         for function in functions.values():
             function.max_dynamic_shared_size_bytes = limit
     return functions
+
+
+@functools.cache
+def _mma_function(input_code: int, variant: MmaForward, device_index: int):
+    """kl_forward_mma<variant> for one input dtype on one device, compiled once (NVRTC)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(
+            code=source_text(),
+            options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"),
+            name_expressions=[variant.name],
+        )
+        try:
+            function = module.get_function(variant.name)
+        except Exception as exc:
+            raise RuntimeError(f"streamkl cupy backend: compiling {variant.name} failed: {exc}") from exc
+        function.max_dynamic_shared_size_bytes = variant.shared_bytes
+    return function
 
 
 @functools.cache
@@ -98,24 +195,31 @@ def shared_memory_limit(device: torch.device) -> int:
     return int(limit)
 
 
-def _launch(kernel: str, tiles: int, pairs: int, params: np.ndarray, problem: Problem) -> None:
+def _launch(kernel: str, tiles: int, pairs: int, params: np.ndarray, problem: Problem,
+            variant: MmaForward | None = None) -> None:
+    """One launch of `kernel` (a name of KERNELS, or "kl_forward_mma" with its `variant`)."""
     if tiles <= 0 or pairs <= 0:  # CuPy would round an empty grid up to one block
         return
     grid_y = min(pairs, MAX_GRID_Y)
     grid = (tiles, grid_y, math.ceil(pairs / grid_y))
-    smem = shared_bytes(problem.dim1, problem.dim2)[kernel]
+    mma = kernel == "kl_forward_mma"
+    smem = variant.shared_bytes if mma else shared_bytes(problem.dim1, problem.dim2)[kernel]
+    threads = variant.threads if mma else THREADS
     code = INPUT_CODES[problem.dtype]
     if emulate.emulating():
-        emulate.launch(KERNELS.index(kernel), grid, THREADS, smem, params, code)
+        # one emulator library per (dtype, forward variant) serves all of a problem's launches
+        forward = variant if mma else forward_variant(problem)
+        index = 3 if mma else KERNELS.index(kernel)
+        emulate.launch(index, grid, threads, smem, params, code, None if forward is None else forward.args)
         return
     import cupy
 
     device = problem.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    function = _functions(code, index)[kernel]
+    function = _mma_function(code, variant, index) if mma else _functions(code, index)[kernel]
     stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, index)
     with cupy.cuda.Device(index):
-        function(grid, (THREADS,), (params,), shared_mem=smem, stream=stream)
+        function(grid, (threads,), (params,), shared_mem=smem, stream=stream)
 
 
 class _StreamHandle:
@@ -222,18 +326,39 @@ def _set_schedule(record: np.ndarray, count: torch.Tensor, index: torch.Tensor, 
     _set(record, "index", "sht", index_strides[:3])
 
 
-def _check_schedule(schedule: TileSchedule) -> None:
-    if (schedule.block_q, schedule.block_k) != (BLOCK_Q, BLOCK_K):
+def _check_schedule(schedule: TileSchedule, tiles: tuple[int, int]) -> None:
+    if (schedule.block_q, schedule.block_k) != tiles:
         raise ValueError(
-            f"streamkl cupy backend: the kernels walk {BLOCK_Q}x{BLOCK_K} tiles; got a schedule of "
+            f"streamkl cupy backend: the kernel walks {tiles[0]}x{tiles[1]} tiles; got a schedule of "
             f"{schedule.block_q}x{schedule.block_k}"
         )
+
+
+def _rows_16_byte_aligned(problem: Problem, tensors) -> bool:
+    """Does every row of every input start on a 16-byte boundary, with head dims a multiple of 8
+    (the tensor-core forward's 16-byte cp.async chunks)? Strides of size-1 dims never apply."""
+    if problem.dim1 % 8 or problem.dim2 % 8:
+        return False
+    for t in tensors:
+        if t.data_ptr() % 16:
+            return False
+        if any(stride % 8 for stride, size in zip(t.stride()[:-1], t.shape[:-1]) if size > 1):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------- forward
 def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     """(kl_rows, lse1, lse2, expect) as backends/base.py documents."""
-    _check_schedule(schedule)
+    return forward_with(forward_variant(problem), problem, q1, k1, q2, k2, schedule)
+
+
+def forward_with(variant: MmaForward | None, problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
+    """`kl_forward` on a named kernel: `variant` of the tensor-core forward (half inputs), or None
+    for the float32 FMA kernel; `schedule` of its tiles. Benchmarks compare variants through it."""
+    if variant is not None and problem.dtype == torch.float32:
+        raise ValueError("streamkl cupy backend: the tensor-core forward takes float16 / bfloat16 inputs")
+    _check_schedule(schedule, (BLOCK_Q, BLOCK_K) if variant is None else (variant.block_q, variant.block_k))
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
     if kl_rows.numel() == 0:
@@ -247,7 +372,11 @@ def kl_forward(problem: Problem, q1, k1, q2, k2, schedule: TileSchedule):
     _set_schedule(record, schedule.kv_count, schedule.kv_index, schedule.kv_partial)
     pairs = problem.batch * problem.heads
     record["batch_heads"] = pairs
-    _launch("kl_forward", math.ceil(problem.seqlen_q / BLOCK_Q), pairs, record, problem)
+    if variant is None:
+        _launch("kl_forward", math.ceil(problem.seqlen_q / BLOCK_Q), pairs, record, problem)
+    else:
+        record["vector_loads"] = int(_rows_16_byte_aligned(problem, (q1, k1, q2, k2)))
+        _launch("kl_forward_mma", math.ceil(problem.seqlen_q / variant.block_q), pairs, record, problem, variant)
     return kl_rows, lse1, lse2, expect
 
 
@@ -259,7 +388,8 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     atomics): q-major for dq over the schedule, key-major for dk over its transpose. Both score
     sides are always recomputed (dS1 needs s2, dS2 needs p); a side whose gradients are not
     needed costs no gradient product."""
-    _check_schedule(schedule)
+    if (schedule.block_q, schedule.block_k) != (BLOCK_Q, BLOCK_K):  # the forward's tiles differ
+        schedule = get_schedule(problem, BLOCK_Q, BLOCK_K)
     tensors = (q1, k1, q2, k2)
     # float32 accumulators; rows no block owns (never visited, past cu_seqlens[-1]) stay 0
     grads = [

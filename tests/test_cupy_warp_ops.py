@@ -1,0 +1,124 @@
+"""The host emulator's warp primitives (streamkl/backends/cupy/warp_ops.cuh) against the PTX ISA's
+fragment tables, one warp on the CPU: ldmatrix x4 / x2 / .trans, mma.sync m16n8k16, the butterfly
+shuffle, and cp.async copies landing only when a wait retires their group. The tensor-core kernels
+see the hardware only through these functions, so this is what the emulated suite rests on; on a
+GPU the same kernels run the PTX instructions themselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from streamkl.backends.cupy import emulate
+
+PROBE = r"""
+#include "emulate.cpp"
+
+// values: A [16][16], then K [8][16] (B = K^T, 16 x 8), small integers (exact sums);
+// bad[lane]: failed checks of that lane
+static void probe(const KLParams p) {
+    SK_DYNAMIC_SMEM(words);
+    input_t* a = reinterpret_cast<input_t*>(words);  // A, row major
+    input_t* at = a + 256;                           // A transposed
+    input_t* k = at + 256;                           // K, row major
+    input_t* landing = k + 128;                      // cp.async target, 32 chunks of 8
+    const input_t* values = reinterpret_cast<const input_t*>(p.q1);
+    const int lane = threadIdx.x, g = lane / 4, c = lane % 4;
+    if (lane == 0) {
+        for (int r = 0; r < 16; ++r)
+            for (int col = 0; col < 16; ++col) {
+                a[r * 16 + col] = values[r * 16 + col];
+                at[col * 16 + r] = values[r * 16 + col];
+            }
+        for (int i = 0; i < 128; ++i) k[i] = values[256 + i];
+    }
+    __syncthreads();
+    int bad = 0;
+    auto pair = [](const input_t* row, int col) { return (unsigned)row[col] | ((unsigned)row[col + 1] << 16); };
+
+    unsigned frag[4];  // A fragment: a0 (g, 2c), a1 (g + 8, 2c), a2 (g, 2c + 8), a3 (g + 8, 2c + 8)
+    sk_ldmatrix_x4(frag, a + (lane % 16) * 16 + (lane / 16) * 8);
+    bad += frag[0] != pair(a + g * 16, 2 * c);
+    bad += frag[1] != pair(a + (g + 8) * 16, 2 * c);
+    bad += frag[2] != pair(a + g * 16, 2 * c + 8);
+    bad += frag[3] != pair(a + (g + 8) * 16, 2 * c + 8);
+
+    unsigned two[2];  // x2: matrices 0 and 1 from the addresses of lanes 0-15
+    sk_ldmatrix_x2(two, a + (lane % 16) * 16 + (lane / 16) * 8);
+    bad += two[0] != frag[0];
+    bad += two[1] != frag[1];
+
+    unsigned trans[4];  // .trans of A's transpose: matrix i holds the transpose of A's blocks
+    sk_ldmatrix_x4_trans(trans, at + (lane % 16) * 16 + (lane / 16) * 8);
+    bad += trans[0] != frag[0];
+    bad += trans[1] != frag[2];
+    bad += trans[2] != frag[1];
+    bad += trans[3] != frag[3];
+    unsigned trans2[2];
+    sk_ldmatrix_x2_trans(trans2, at + (lane % 16) * 16 + (lane / 16) * 8);
+    bad += trans2[0] != frag[0];
+    bad += trans2[1] != frag[2];
+
+    unsigned b[2];  // B fragment: b0 (rows 2c, 2c + 1; col g), b1 (rows 2c + 8, 2c + 9; col g)
+    sk_ldmatrix_x2(b, k + (lane % 8) * 16 + ((lane / 8) % 2) * 8);
+    bad += b[0] != pair(k + g * 16, 2 * c);
+    bad += b[1] != pair(k + g * 16, 2 * c + 8);
+
+    float d[4] = {1.0f, 2.0f, 3.0f, 4.0f};  // C: c0, c1 (g, 2c, 2c + 1), c2, c3 (g + 8, ...)
+    sk_mma_16816(d, frag, b);
+    for (int idx = 0; idx < 4; ++idx) {
+        const int row = g + 8 * (idx / 2), col = 2 * c + idx % 2;
+        float expected = (float)(idx + 1);
+        for (int kk = 0; kk < 16; ++kk) expected += to_float(a[row * 16 + kk]) * to_float(k[col * 16 + kk]);
+        bad += d[idx] != expected;
+    }
+
+    bad += sk_shfl_xor((float)lane, 5) != (float)(lane ^ 5);
+
+    // cp.async: chunk `lane` of A (zero-filled for odd lanes) lands at the retiring wait, not before
+    sk_cp_async_16(landing + lane * 8, a + lane * 8, lane % 2 ? 0 : 16);
+    sk_cp_async_commit();
+    sk_cp_async_16(landing + lane * 8, a + lane * 8, 16);  // a second group, left in flight
+    sk_cp_async_commit();
+    bad += landing[lane * 8] != (input_t)0x7fc0;  // still the shared-memory poison
+    sk_cp_async_wait<1>();
+    for (int e = 0; e < 8; ++e) bad += landing[lane * 8 + e] != (lane % 2 ? (input_t)0 : a[lane * 8 + e]);
+    sk_cp_async_wait<0>();
+    for (int e = 0; e < 8; ++e) bad += landing[lane * 8 + e] != a[lane * 8 + e];
+
+    reinterpret_cast<int*>(p.kl_rows)[lane] = bad;
+}
+
+extern "C" void probe_warp_ops(const void* values, int* bad) {
+    KLParams p{};
+    p.q1 = (sk_u64)(size_t)values;
+    p.kl_rows = (sk_u64)(size_t)bad;
+    emu_run(probe, 1, 1, 1, 32, 4096, &p);
+}
+"""
+
+
+@pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the emulator")
+@pytest.mark.parametrize("dtype,code", [(torch.float16, 1), (torch.bfloat16, 2)], ids=["fp16", "bf16"])
+def test_emulated_warp_ops_follow_the_ptx_fragment_layouts(dtype, code, tmp_path):
+    source = tmp_path / "probe.cpp"
+    source.write_text(PROBE)
+    library = tmp_path / "probe.so"
+    here = emulate._HERE
+    subprocess.run(
+        [emulate.compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing",
+         "-Wno-unknown-pragmas", f"-DSTREAMKL_INPUT={code}", f"-I{here}", str(source), "-o", str(library)],
+        check=True, capture_output=True, text=True,
+    )
+    values = torch.randint(-3, 4, (256 + 128,)).to(dtype)  # small integers: every sum is exact
+    bits = values.view(torch.int16).numpy().copy()
+    bad = np.full(32, -1, dtype=np.int32)
+    probe = ctypes.CDLL(str(library)).probe_warp_ops
+    probe.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    probe(bits.ctypes.data, bad.ctypes.data)
+    assert bad.tolist() == [0] * 32
