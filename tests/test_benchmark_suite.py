@@ -28,17 +28,23 @@ def test_suite_quick_cpu(tmp_path):
     assert report["environment"]["torch"] and report["environment"]["command"].startswith("python benchmarks/suite.py")
     rows = report["results"]
     assert {r["section"] for r in rows} == {"nsweep", "dsweep", "sparsity", "varlen"}
-    assert {r["provider"] for r in rows} == {"streamkl-torch", "naive", "naive-compile"}
+    assert {r["provider"] for r in rows} == {"streamkl-torch", "naive", "naive-compile", "sdpa"}
     for row in rows:
         assert row["error"] is None, row
         assert row["ms"] is not None and row["ms"] > 0, row
     assert {r["mode"] for r in rows} == {"forward", "fwd+bwd student", "fwd+bwd all"}
+    sdpa = [r for r in rows if r["provider"] == "sdpa"]
+    assert {r["mode"] for r in sdpa} == {"forward", "fwd+bwd all"}
+    assert all(r["sdpa_backend"] for r in sdpa), sdpa
     host = report["host"]
     assert {(r["provider"], r["mode"]) for r in host} == {
-        ("streamkl-torch", mode) for mode in ("forward", "training forward", "backward")
+        (provider, mode) for provider in ("streamkl-torch", "sdpa")
+        for mode in ("forward", "training forward", "backward")
     }
     assert all(r["error"] is None and r["host_us"] > 0 for r in host), host
-    assert report["targets"] and all("met" in t for t in report["targets"])
+    assert report["targets"] and all("met" in t and "met_sdpa" in t for t in report["targets"])
+    assert any(t["value_sdpa"] is not None for t in report["targets"])
     md = (tmp_path / "suite_quick.md").read_text()
     assert "## Targets" in md and "| streamkl-torch |" in md and "## Host time per call" in md
+    assert "value vs default SDPA" in md and "| sdpa (default) |" in md and "default SDPA backend:" in md
     assert (tmp_path / "suite_quick_time.png").exists()
