@@ -870,7 +870,8 @@ def main(argv=None) -> int:
     print("targets:")
     for g in goals:
         met = "n/a" if g["met"] is None else ("met" if g["met"] else "NOT met")
-        print(f"  [{met:>7}] {g['provider']}: {g['target']} = {_fmt(g['value'])} (goal {g['goal']})")
+        vs_sdpa = f"; vs default SDPA {_fmt(g['value_sdpa'])}" if g.get("value_sdpa") is not None else ""
+        print(f"  [{met:>7}] {g['provider']}: {g['target']} = {_fmt(g['value'])} (goal {g['goal']}){vs_sdpa}")
     print(f"wrote {out / (name + '.json')}, {out / (name + '.md')}, {', '.join(written)}; {total_s:.0f} s")
     return 0
 
