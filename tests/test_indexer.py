@@ -294,6 +294,15 @@ def _good():
     return dict(q=q, k=k, qi=qi, ki=ki, w=w)
 
 
+def _randn(*shape):
+    """On the test inputs' device: the device check must not fire before the one under test."""
+    return torch.randn(shape, device=DEVICE)
+
+
+def _ints(shape, value, dtype=torch.int32):
+    return torch.full(shape, value, dtype=dtype, device=DEVICE)
+
+
 def _call(args, **kwargs):
     names = ("q", "k", "qi", "ki", "w")
     return streamkl.indexer_kl(*(args[n] for n in names), backend="torch", **kwargs)
@@ -307,31 +316,32 @@ BAD = {
     "ki-per-head": (lambda a: a.update(ki=a["ki"][:, :, None].expand(-1, -1, 3, -1)), {}, ValueError, "`ki`"),
     "qi-rows": (lambda a: a.update(qi=a["qi"][:, :8]), {}, ValueError, "`qi`"),
     "k-batch": (lambda a: a.update(k=a["k"][:1]), {}, ValueError, "`k`"),
-    "k-gqa": (lambda a: a.update(k=torch.randn(2, 12, 3, 16)), {}, ValueError, "`k`"),
-    "k-dim": (lambda a: a.update(k=torch.randn(2, 12, 2, 8)), {}, ValueError, "`k`"),
-    "dim-over-limit": (lambda a: a.update(q=torch.randn(2, 10, 4, 264), k=torch.randn(2, 12, 2, 264)), {},
+    "k-gqa": (lambda a: a.update(k=_randn(2, 12, 3, 16)), {}, ValueError, "`k`"),
+    "k-dim": (lambda a: a.update(k=_randn(2, 12, 2, 8)), {}, ValueError, "`k`"),
+    "dim-over-limit": (lambda a: a.update(q=_randn(2, 10, 4, 264), k=_randn(2, 12, 2, 264)), {},
                        ValueError, "at most 256"),
-    "index-dim-over-limit": (lambda a: a.update(qi=torch.randn(2, 10, 3, 136), ki=torch.randn(2, 12, 136)), {},
+    "index-dim-over-limit": (lambda a: a.update(qi=_randn(2, 10, 3, 136), ki=_randn(2, 12, 136)), {},
                              ValueError, "at most 128"),
-    "index-heads-over-limit": (lambda a: a.update(qi=torch.randn(2, 10, 65, 8), w=torch.randn(2, 10, 65)), {},
+    "index-heads-over-limit": (lambda a: a.update(qi=_randn(2, 10, 65, 8), w=_randn(2, 10, 65)), {},
                                ValueError, "1 to 64"),
     "mixed-dtype": (lambda a: a.update(qi=a["qi"].half()), {}, TypeError, "`qi`"),
     "float64": (lambda a: a.update(**{n: t.double() for n, t in a.items()}), {}, TypeError, "`q`"),
     "meta-device": (lambda a: a.update(w=a["w"].to("meta")), {}, ValueError, "`w`"),
     "last-dim-strided": (lambda a: a.update(qi=a["qi"].transpose(-1, -2).contiguous().transpose(-1, -2)), {},
                          ValueError, "`qi`"),
-    "varlen-with-batch": (lambda a: None, {"cu_seqlens": torch.tensor([0, 10], dtype=torch.int32)}, ValueError, "`q`"),
-    "lse-shape": (lambda a: None, {"lse": torch.zeros(2, 10, 4)}, ValueError, "`lse`"),
-    "lse-dtype": (lambda a: None, {"lse": torch.zeros(2, 4, 10, dtype=torch.float64)}, TypeError, "`lse`"),
+    "varlen-with-batch": (lambda a: None, {"cu_seqlens": torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)},
+                          ValueError, "`q`"),
+    "lse-shape": (lambda a: None, {"lse": _randn(2, 10, 4)}, ValueError, "`lse`"),
+    "lse-dtype": (lambda a: None, {"lse": _randn(2, 4, 10).double()}, TypeError, "`lse`"),
     "lse-device": (lambda a: None, {"lse": torch.zeros(2, 4, 10, device="meta")}, ValueError, "`lse`"),
-    "topk-int64": (lambda a: None, {"topk_indices": torch.zeros(2, 10, 3, dtype=torch.long)}, TypeError, ".int()"),
-    "topk-shape": (lambda a: None, {"topk_indices": torch.zeros(2, 9, 3, dtype=torch.int32)}, ValueError,
+    "topk-int64": (lambda a: None, {"topk_indices": _ints((2, 10, 3), 0, torch.long)}, TypeError, ".int()"),
+    "topk-shape": (lambda a: None, {"topk_indices": _ints((2, 9, 3), 0)}, ValueError,
                    "`topk_indices`"),
-    "topk-too-large": (lambda a: None, {"topk_indices": torch.full((2, 10, 3), 12, dtype=torch.int32)}, ValueError,
+    "topk-too-large": (lambda a: None, {"topk_indices": _ints((2, 10, 3), 12)}, ValueError,
                        "[-1, 12)"),
-    "topk-below-minus-one": (lambda a: None, {"topk_indices": torch.full((2, 10, 3), -2, dtype=torch.int32)},
+    "topk-below-minus-one": (lambda a: None, {"topk_indices": _ints((2, 10, 3), -2)},
                              ValueError, "`topk_indices`"),
-    "topk-empty": (lambda a: None, {"topk_indices": torch.zeros(2, 10, 0, dtype=torch.int32)}, ValueError,
+    "topk-empty": (lambda a: None, {"topk_indices": _ints((2, 10, 0), 0)}, ValueError,
                    "`topk_indices`"),
     "reduction": (lambda a: None, {"reduction": "batchmean"}, ValueError, "`reduction`"),
     "scale": (lambda a: None, {"scale": "0.1"}, TypeError, "`scale`"),
@@ -355,7 +365,7 @@ def test_bad_input(case):
         call()
     assert "streamkl.indexer_kl" in str(raised.value) and text in str(raised.value), str(raised.value)
     for name, tensor in originals.items():  # inputs untouched
-        if args[name].device.type == "cpu" and args[name].shape == tensor.shape and args[name].dtype == tensor.dtype:
+        if args[name].device == tensor.device and args[name].shape == tensor.shape and args[name].dtype == tensor.dtype:
             assert torch.equal(args[name], tensor)
 
 

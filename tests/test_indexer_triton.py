@@ -8,6 +8,9 @@ On CPU they run under TRITON_INTERPRET=1 at small shapes; the `gpu` tests run re
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -256,6 +259,55 @@ def test_reasons():
     wide = IndexerProblem(**{**problem.__dict__, "dim": 320, "index_dim": 256, "index_heads": 65})
     reasons = triton_indexer.not_supported_reasons(wide)
     assert any("320" in r for r in reasons) and any("256" in r for r in reasons) and any("65" in r for r in reasons)
+
+
+# ------------------------------------------------------------------------------------------ shared memory
+BUDGETS = {"H100": 232448, "A100": 166912}  # shared memory a block may opt into (bytes)
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS), ids=list(BUDGETS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_config_fits_shared_memory(budget, dtype):
+    """Every supported shape gets tiles and a pipeline depth whose shared memory fits the device;
+    16-bit inputs at D <= 128 keep the largest tiles with two stages."""
+    for dim in (16, 64, 128, 192, 256):
+        for index_dim in (16, 64, 128):
+            for n in (40, 1 << 15):
+                q, k, qi, ki, _ = inputs((1, 1), (1, 1), 1, 1, dim, 1, index_dim, dtype)
+                problem = IndexerProblem(**{**make_problem(q, k, qi, ki, None, True).__dict__,
+                                            "seqlen_q": n, "seqlen_k": n})
+                for kernel in ("lse", "forward", "backward"):
+                    cfg = triton_indexer.config(problem, kernel, BUDGETS[budget])
+                    need = triton_indexer.shared_need(problem, kernel, cfg["BLOCK_M"], cfg["BLOCK_N"],
+                                                      cfg["num_stages"])
+                    assert need <= BUDGETS[budget], (kernel, dim, index_dim, n, cfg, need)
+                    if budget == "H100" and dtype != torch.float32 and dim <= 128 and n > 128:
+                        assert cfg == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), (kernel, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+def test_largest_kernels_fit_hopper(kernel):
+    """fp32 at D = 256, Di = 128 (the largest tiles per element) compiled for sm_90a: the shared
+    memory Triton allocates stays within `shared_need` and the H100's limit; the indexer's relu and
+    running maxima keep NaN (PTX max.NaN). In a subprocess: the interpreter cannot compile."""
+    code = ("import torch\n"
+            "from streamkl.backends.triton import indexer as ix\n"
+            f"kernel = ix.compile_for_hopper({kernel!r}, torch.float32, 256, 128)\n"
+            "print(kernel.metadata.shared, 'max.NaN.f32' in kernel.asm['ptx'])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared, keeps_nan = result.stdout.split()[-2:]
+    q, k, qi, ki, _ = inputs((1, 1), (1, 1), 1, 1, 256, 1, 128, torch.float32)
+    problem = IndexerProblem(**{**make_problem(q, k, qi, ki, None, True).__dict__, "seqlen_q": 1 << 15,
+                                "seqlen_k": 1 << 15, "device": torch.device("cpu")})
+    cfg = triton_indexer.config(problem, kernel, BUDGETS["H100"])
+    need = triton_indexer.shared_need(problem, kernel, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"])
+    assert int(shared) <= min(need, BUDGETS["H100"]), (shared, need, cfg)
+    assert keeps_nan == "True"
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -288,42 +288,70 @@ def forward(
 
 
 # ---------------------------------------------------------------------------------- backward
-def _key_lists(problem: IndexerProblem, topk_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each key (dense: b * Nk + j; packed: its token), the sequence-local rows that select it
-    and are allowed to see it, sorted (a repeated selection is adjacent): (offsets int32
-    (keys + 1,), rows int32). O(rows * K) memory, no host sync."""
+LIST_CHUNK = 1 << 19  # top-k entries per step of the key-major lists: bounds their temporaries (~60 B each)
+
+
+def _count(counts: torch.Tensor, key_id: torch.Tensor) -> None:
+    """counts[key] += occurrences of key in key_id (torch.bincount would read its size from the device)."""
+    counts.index_add_(0, key_id, torch.ones(1, dtype=counts.dtype, device=counts.device).expand(key_id.numel()))
+
+
+def _selected_keys(problem: IndexerProblem, topk_indices: torch.Tensor, start: int, stop: int):
+    """For flat rows start..stop: (global key id of each selection, keys for an unusable slot, int64
+    (rows, K); the sequence-local row of each flat row, int64 (rows,))."""
     device = topk_indices.device
-    selected = topk_indices.long()
+    selected = topk_indices.reshape(-1, problem.topk)[start:stop].long()
+    flat = torch.arange(start, stop, device=device)
     if problem.is_varlen:
         cu_q, cu_k = problem.cu_seqlens_q.long(), problem.cu_seqlens_k.long()
         sequences = cu_q.numel() - 1
-        token = torch.arange(problem.total_q, device=device)
-        seq = torch.searchsorted(cu_q[1:], token, right=True)
+        seq = torch.searchsorted(cu_q[1:], flat, right=True)
         inside = seq < sequences
         seq = seq.clamp(max=max(sequences - 1, 0))
-        row = token - cu_q[seq]
+        row = flat - cu_q[seq]
         len_q = cu_q[seq + 1] - cu_q[seq]
         len_k = cu_k[seq + 1] - cu_k[seq]
         key_base = cu_k[seq]
         keys = problem.total_k
     else:
-        row = torch.arange(problem.seqlen_q, device=device).view(1, -1)
+        row = flat % max(problem.seqlen_q, 1)
         len_q = torch.full_like(row, problem.seqlen_q)
         len_k = torch.full_like(row, problem.seqlen_k)
-        key_base = torch.arange(problem.batch, device=device).view(-1, 1) * problem.seqlen_k
+        key_base = flat // max(problem.seqlen_q, 1) * problem.seqlen_k
         inside = torch.ones_like(row, dtype=torch.bool)
         keys = problem.batch * problem.seqlen_k
-    valid = (selected >= 0) & (selected < len_k[..., None]) & inside[..., None]
+    valid = (selected >= 0) & (selected < len_k[:, None]) & inside[:, None]
     if problem.causal:
-        valid &= selected <= (row + len_k - len_q)[..., None]
-    pitch = max(problem.seqlen_q, 1)  # row < pitch: (key, row) packs into one sortable integer
-    key_id = torch.where(valid, key_base[..., None] + selected, keys)
-    packed = (key_id * pitch + row[..., None]).flatten()
-    packed = torch.sort(packed).values
-    bounds = torch.arange(keys + 1, device=device) * pitch
-    offsets = torch.searchsorted(packed, bounds).to(torch.int32)
-    rows = (packed % pitch).to(torch.int32)
-    return offsets, rows
+        valid &= selected <= (row + len_k - len_q)[:, None]
+    return torch.where(valid, key_base[:, None] + selected, keys), row
+
+
+def _key_lists(problem: IndexerProblem, topk_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each key (dense: b * Nk + j; packed: its token), the sequence-local rows that select it
+    and are allowed to see it, ascending (a repeated selection is adjacent): (offsets int32
+    (keys + 1,), rows int32 (rows * K,), entries past offsets[-1] unused). A counting sort in
+    row chunks: the lists (4 B per selection) plus bounded temporaries, no host sync."""
+    device = topk_indices.device
+    keys = problem.total_k if problem.is_varlen else problem.batch * problem.seqlen_k
+    rows_total = topk_indices.numel() // problem.topk
+    chunk = max(1, LIST_CHUNK // problem.topk)
+    counts = torch.zeros(keys + 1, dtype=torch.int64, device=device)
+    for start in range(0, rows_total, chunk):
+        key_id, _ = _selected_keys(problem, topk_indices, start, min(start + chunk, rows_total))
+        _count(counts, key_id.flatten())
+    offsets = torch.zeros(keys + 1, dtype=torch.int64, device=device)
+    torch.cumsum(counts[:keys], 0, out=offsets[1:])
+    rows = torch.empty(rows_total * problem.topk, dtype=torch.int32, device=device)
+    filled = offsets.clone()  # next free entry of each key's list
+    for start in range(0, rows_total, chunk):
+        key_id, row = _selected_keys(problem, topk_indices, start, min(start + chunk, rows_total))
+        # stable: within a key, entries stay in row order (flattened row-major). Unusable slots
+        # (key id `keys`) fill the entries past offsets[-1]: every entry has a place, no mask needed
+        ordered, order = torch.sort(key_id.flatten(), stable=True)
+        rank = torch.arange(ordered.numel(), device=device) - torch.searchsorted(ordered, ordered)
+        rows[filled[ordered] + rank] = row[order // problem.topk].to(torch.int32)
+        _count(filled, ordered)
+    return offsets.to(torch.int32), rows
 
 
 def backward(

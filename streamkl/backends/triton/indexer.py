@@ -97,13 +97,48 @@ def _fit(block: int, length: int) -> int:
     return min(block, _pow2(length))
 
 
-def config(problem, kernel: str) -> dict:
-    """Tile sizes and launch shape of one kernel ("lse", "forward", "backward") for `problem`."""
+HOPPER_SHARED = 232448  # bytes of shared memory a block may opt into on H100 / H200
+SHARED_SLACK = 2048  # barriers and reduction scratch beside the tiles (sm_90a builds: at most ~600 B)
+_TILE_LADDER = ((128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 4))  # (BLOCK_M, BLOCK_N, warps), largest first
+
+
+def shared_budget(device) -> int:
+    """Shared memory per block the kernels may use on `device` (Hopper's when not on a GPU)."""
+    if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return HOPPER_SHARED
+
+
+def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -> int:
+    """An upper bound of one kernel's shared memory at these tiles: every TMA-loaded tile of a
+    pipelined loop `stages` times (sm_90a builds measured at or below it). The teacher's head loop
+    and the indexer's head loop do not overlap in time: their maximum."""
+    size = 4 if problem.dtype == torch.float32 else 2
+    block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
+    if kernel == "lse":
+        return (block_m + stages * block_n) * block_d * size + SHARED_SLACK
+    teacher = stages * (block_m + block_n) * block_d * size
+    index = stages * block_m * block_e * size + block_n * block_e * size  # qi tiles, the key tile's ki
+    if kernel == "backward":
+        teacher += block_n * block_e * size  # the program's ki tile stays loaded throughout
+        index += block_m * block_e * 4 + block_m * block_n * size  # dqi's float32 reduction tile, dz's operand
+    return max(teacher, index) + SHARED_SLACK
+
+
+def config(problem, kernel: str, budget: int | None = None) -> dict:
+    """Tile sizes and launch shape of one kernel ("lse", "forward", "backward") for `problem`: the
+    largest tiles, then the deepest pipeline, whose shared memory fits `budget` bytes (default:
+    what the problem's device allows)."""
+    budget = shared_budget(problem.device) if budget is None else budget
     wide = _pow2(problem.dim) > 128
+    ladder = _TILE_LADDER[1:] if wide else _TILE_LADDER
     # (sm_90a builds: none spills in the forward and lse kernels; the backward's 255 registers spill 32-60 B)
-    block_m, block_n, warps = (64, 64, 4) if wide else (128, 64, 8)
-    block_m, block_n = _fit(block_m, problem.seqlen_q), _fit(block_n, problem.seqlen_k)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=2)
+    for block_m, block_n, warps in ladder:
+        block_m, block_n = _fit(block_m, problem.seqlen_q), _fit(block_n, problem.seqlen_k)
+        for stages in (2, 1):
+            if shared_need(problem, kernel, block_m, block_n, stages) <= budget:
+                return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=1)
 
 
 def _new(shape, device, fill: float | None = None) -> torch.Tensor:
@@ -207,6 +242,16 @@ def _constants(problem, cfg: dict) -> dict:
     )
 
 
+def _launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
+    """`kernel[grid](*args, **constexprs)`, retried with a shallower pipeline if its shared memory
+    does not fit after all (`shared_need` is a bound, the compiler has the last word)."""
+    from streamkl.backends.triton.launch import launch
+
+    constexprs = dict(constexprs)
+    warps, stages = constexprs.pop("num_warps"), constexprs.pop("num_stages")
+    launch(kernel, grid, args, warps, stages, constexprs)
+
+
 def _placeholder(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -241,25 +286,24 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
         head_lse = _new(lse_shape, device)
         q_tiles, k_tiles = _tiles(problem, cfg_lse)
         if q_tiles * problem.batch > 0:
-            kernels._head_lse_kernel[(q_tiles * problem.batch * problem.heads,)](
+            _launch(kernels._head_lse_kernel, (q_tiles * problem.batch * problem.heads,), (
                 _descriptor(q, varlen, cfg_lse["BLOCK_M"], block_d),
                 _descriptor(k, varlen, cfg_lse["BLOCK_N"], block_d),
                 head_lse, sel, tables[0], cu_q, cu_k,
                 0 if varlen else head_lse.stride(0), head_lse.stride(-2), sel_stride,
-                *common, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, **_constants(problem, cfg_lse),
-            )
+                *common, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
+            ), _constants(problem, cfg_lse))
     q_tiles, k_tiles = _tiles(problem, cfg_fwd)
     if q_tiles * problem.batch > 0:
         rows, cols = cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"]
-        kernels._forward_kernel[(q_tiles * problem.batch,)](
+        _launch(kernels._forward_kernel, (q_tiles * problem.batch,), (
             _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
             _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
             w, head_lse, loss, index_lse, sel, tables[1], cu_q, cu_k,
             0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
             0 if varlen else problem.seqlen_q, sel_stride,
             *common, problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
-            BLOCK_E=block_e, **_constants(problem, cfg_fwd),
-        )
+        ), dict(BLOCK_E=block_e, **_constants(problem, cfg_fwd)))
     if varlen and problem.total_q > 0:
         tail = torch.arange(problem.total_q, device=device) >= problem.cu_seqlens_q[-1]
         loss.masked_fill_(tail, 0.0)
@@ -298,7 +342,7 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
     if k_tiles * problem.batch > 0 and q_tiles > 0:
         rows, cols = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        kernels._backward_kernel[(k_tiles * problem.batch,)](
+        _launch(kernels._backward_kernel, (k_tiles * problem.batch,), (
             _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
             _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
             w, head_lse, index_lse, grad_rows, _descriptor(dqi, varlen, rows, block_e), dqi, dki, dw,
@@ -307,15 +351,15 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
             0 if varlen else problem.seqlen_q, sel_stride, *grad_strides,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
             problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
-            INDEX_DIM=problem.index_dim, BLOCK_E=block_e, **_constants(problem, cfg),
-        )
+        ), dict(INDEX_DIM=problem.index_dim, BLOCK_E=block_e, **_constants(problem, cfg)))
     return dqi.to(qi.dtype).contiguous(), dki, dw.to(w.dtype)
 
 
 def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: int = 128, index_dim: int = 128,
                        causal: bool = True, topk: int = 0, varlen: bool = False):
     """One kernel ("lse", "forward", "backward") compiled for sm_90a without a GPU, at the tile
-    sizes `config` picks for a long sequence; returns the compiled kernel (.asm: ptx, cubin)."""
+    sizes `config` picks for a long sequence on an H100 / H200; returns the compiled kernel (.asm:
+    ptx, cubin; .metadata.shared: its shared memory in bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -328,7 +372,8 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
         pass
 
     shape = _Shape()
-    shape.dim, shape.seqlen_q, shape.seqlen_k = dim, 1 << 15, 1 << 15
+    shape.dim, shape.index_dim, shape.dtype, shape.device = dim, index_dim, dtype, torch.device("cpu")
+    shape.seqlen_q = shape.seqlen_k = 1 << 15
     cfg = config(shape, kernel)
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     descriptors = {"Q_DESC": (element, "BLOCK_M", "BLOCK_D"), "K_DESC": (element, "BLOCK_N", "BLOCK_D"),

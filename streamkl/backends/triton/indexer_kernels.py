@@ -128,6 +128,12 @@ def _teacher_probs(Q_DESC, K_DESC, LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, st
 
 
 @triton.jit
+def _relu(x):
+    """max(x, 0) keeping NaN, as torch's relu (the default maximum lowers to PTX max.f32, which drops it)."""
+    return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """z [BM, BN] float32 = sum_t w_t * relu(qi_t . ki) (unmasked); b_ki [BN, BE] the key tile."""
@@ -136,7 +142,7 @@ def _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_he
         b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
         b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
         b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)
-        b_z += b_w[:, None] * tl.maximum(b_r, 0.0)
+        b_z += b_w[:, None] * _relu(b_r)
     return b_z
 
 
@@ -175,7 +181,7 @@ def _head_lse_kernel(
                 m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
                 b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
                 b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
-                b_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+                b_new = tl.maximum(b_m, tl.max(b_s, axis=1), propagate_nan=tl.PropagateNan.ALL)
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
                 b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_s - b_ref[:, None]), axis=1)
                 b_m = b_new
@@ -229,7 +235,7 @@ def _forward_kernel(
                 b_a += tl.sum(tl.where(b_t == 0.0, 0.0, b_t * tl.log(b_t)), axis=1)
                 b_b += tl.sum(tl.where(m_ij, b_t * b_z, 0.0), axis=1)
                 b_z2 = tl.where(m_ij, b_z * LOG2E, float("-inf"))
-                b_new = tl.maximum(b_m, tl.max(b_z2, axis=1))
+                b_new = tl.maximum(b_m, tl.max(b_z2, axis=1), propagate_nan=tl.PropagateNan.ALL)
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
                 b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_z2 - b_ref[:, None]), axis=1)
                 b_m = b_new
@@ -300,7 +306,7 @@ def _backward_kernel(
                         b_qi = tl.where(m_i[:, None], b_qi, 0.0).to(b_qi.dtype)
                     b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
                     b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)
-                    tl.atomic_add(DW + o_i * stride_dwn + t, tl.sum(b_dz * tl.maximum(b_r, 0.0), axis=1), mask=m_i,
+                    tl.atomic_add(DW + o_i * stride_dwn + t, tl.sum(b_dz * _relu(b_r), axis=1), mask=m_i,
                                   sem="relaxed")
                     b_dr = tl.where(b_r > 0.0, b_dz * b_w[:, None], 0.0).to(b_qi.dtype)  # [BM, BN]
                     b_dki += _mm(tl.trans(b_dr), b_qi, IEEE, INTERPRET)
