@@ -42,23 +42,30 @@ def pack_problem(problem: Problem, backend: str) -> tuple:
         int(problem.deterministic), -1 if problem.tail_start_q is None else problem.tail_start_q,
         PRIORITY.index(backend),
     ]
-    return (problem.cu_seqlens_q, problem.cu_seqlens_k, None if mask1 is None else mask1.pattern,
-            None if mask2 is None else mask2.pattern, ints, [problem.scale1, problem.scale2])
+    cu_q, cu_k = problem.cu_seqlens_q, problem.cu_seqlens_k
+    # one table for both sides travels once: autograd.Function under torch.compile refuses a tensor
+    # passed twice
+    pattern1 = None if mask1 is None else mask1.pattern
+    pattern2 = None if mask2 is None or mask2.pattern is pattern1 else mask2.pattern
+    return (cu_q, None if cu_k is cu_q else cu_k, pattern1, pattern2, ints, [problem.scale1, problem.scale2])
 
 
 def unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats) -> tuple[Problem, Backend]:
     """The Problem and backend of the ops' arguments. No validation: the front end checked them
-    (`build_problem`). The host copies of cu_seqlens come from the front end's cache (never while
-    compiling): keyed by the tables' identity and version, they are the tables' values."""
+    (`build_problem`). cu_k None is cu_q; mask2 None with a block size is mask1's pattern. The host
+    copies of cu_seqlens come from the front end's cache (never while compiling): keyed by the
+    tables' identity and version, they are the tables' values."""
     causal, left, right, seqlen_q, seqlen_k, block1_q, block1_k, block2_q, block2_k, deterministic, tail, backend = ints
     host_q = host_k = None
+    if cu_k is None:
+        cu_k = cu_q
     if cu_q is not None:
         host_q = known_host_values(cu_q)
         host_k = host_q if cu_k is cu_q else known_host_values(cu_k)
     problem = describe_problem(
         q1, k1, q2, k2, floats[0], floats[1], bool(causal), (left, right), cu_q, cu_k, seqlen_q, seqlen_k,
         None if mask1 is None else SideMask(mask1, block1_q, block1_k),
-        None if mask2 is None else SideMask(mask2, block2_q, block2_k),
+        None if block2_q == 0 else SideMask(mask1 if mask2 is None else mask2, block2_q, block2_k),
         bool(deterministic), None if tail < 0 else tail, host_q, host_k,
     )
     return problem, get_backend(PRIORITY[backend])
@@ -157,5 +164,15 @@ def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2) -> tuple:
     """(kl_rows, lse1, lse2, expect) of a validated problem, differentiable in q1, k1, q2, k2."""
     cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem, impl.name)
     if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
+        if torch.compiler.is_compiling():  # dynamo refuses a tensor passed twice to an autograd Function
+            q1, k1, q2, k2 = _distinct((q1, k1, q2, k2))
         return _KL.apply(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats)
     return torch.ops.streamkl.kl_forward(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats)
+
+
+def _distinct(tensors: tuple) -> tuple:
+    """The tensors, a repeated one replaced by a view of itself (gradients still reach it)."""
+    out = []
+    for t in tensors:
+        out.append(t.view_as(t) if any(t is seen for seen in out) else t)
+    return tuple(out)
