@@ -55,6 +55,10 @@ def pack_problem(problem: Problem, backend: str) -> tuple:
 _UNPACKED = LRUCache(64)
 
 
+def _state(t):
+    return None if t is None else (id(t), t._version)
+
+
 def unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats) -> tuple[Problem, Backend]:
     """The Problem and backend of the ops' arguments. No validation: the front end checked them
     (`build_problem`). cu_k None is cu_q; mask2 None with a block size is mask1's pattern. The host
@@ -70,11 +74,12 @@ def unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats) -> tu
         host_q = known_host_values(cu_q)
         host_k = host_q if cu_k is cu_q else known_host_values(cu_k)
     key = None
-    if not torch.compiler.is_compiling() and all(t.__class__ in _PLAIN for t in (q1, k1, q2, k2)):
-        key = (tuple(ints), tuple(floats),
-               *((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in (q1, k1, q2, k2)),
-               *(None if t is None else (id(t), t._version) for t in (cu_q, cu_k, mask1, mask2)),
-               id(host_q), id(host_k))
+    if (q1.__class__ in _PLAIN and k1.__class__ in _PLAIN and q2.__class__ in _PLAIN and k2.__class__ in _PLAIN
+            and not torch.compiler.is_compiling()):
+        key = (tuple(ints), tuple(floats), q1.shape, q1.stride(), q1.requires_grad, k1.shape, k1.stride(),
+               k1.requires_grad, q2.shape, q2.stride(), q2.requires_grad, k2.shape, k2.stride(), k2.requires_grad,
+               q1.dtype, q1.device, k1.dtype, k1.device, q2.dtype, q2.device, k2.dtype, k2.device,
+               _state(cu_q), _state(cu_k), _state(mask1), _state(mask2), id(host_q), id(host_k))
         hit = _UNPACKED.get(key)
         if hit is not None:
             return hit[0], hit[1]
