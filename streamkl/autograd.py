@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from streamkl._cache import LRUCache
 from streamkl.backends.base import Backend, empty_rows_to_zero
 from streamkl.dispatch import PRIORITY, get_backend
 from streamkl.problem import Problem, SideMask, describe_problem, known_host_values
 from streamkl.sparse.schedule import get_schedule
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _LIBRARY = torch.library.Library("streamkl", "FRAGMENT")
 _LIBRARY.define(
     "kl_forward(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
@@ -42,26 +44,56 @@ def pack_problem(problem: Problem, backend: str) -> tuple:
         int(problem.deterministic), -1 if problem.tail_start_q is None else problem.tail_start_q,
         PRIORITY.index(backend),
     ]
-    return (problem.cu_seqlens_q, problem.cu_seqlens_k, None if mask1 is None else mask1.pattern,
-            None if mask2 is None else mask2.pattern, ints, [problem.scale1, problem.scale2])
+    cu_q, cu_k = problem.cu_seqlens_q, problem.cu_seqlens_k
+    # one table for both sides travels once: autograd.Function under torch.compile refuses a tensor
+    # passed twice
+    pattern1 = None if mask1 is None else mask1.pattern
+    pattern2 = None if mask2 is None or mask2.pattern is pattern1 else mask2.pattern
+    return (cu_q, None if cu_k is cu_q else cu_k, pattern1, pattern2, ints, [problem.scale1, problem.scale2])
+
+
+_UNPACKED = LRUCache(64)
+
+
+def _state(t):
+    return None if t is None else (id(t), t._version)
 
 
 def unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats) -> tuple[Problem, Backend]:
     """The Problem and backend of the ops' arguments. No validation: the front end checked them
-    (`build_problem`). The host copies of cu_seqlens come from the front end's cache (never while
-    compiling): keyed by the tables' identity and version, they are the tables' values."""
-    causal, left, right, seqlen_q, seqlen_k, block1_q, block1_k, block2_q, block2_k, deterministic, tail, backend = ints
+    (`build_problem`). cu_k None is cu_q; mask2 None with a block size is mask1's pattern. The host
+    copies of cu_seqlens come from the front end's cache (never while compiling): keyed by the
+    tables' identity and version, they are the tables' values.
+
+    Kept per arguments (outside of torch.compile): the ints and floats, every input's metadata,
+    and the tables and patterns by identity and version (the memo keeps them alive)."""
+    if cu_k is None:
+        cu_k = cu_q
     host_q = host_k = None
     if cu_q is not None:
         host_q = known_host_values(cu_q)
         host_k = host_q if cu_k is cu_q else known_host_values(cu_k)
+    key = None
+    if (q1.__class__ in _PLAIN and k1.__class__ in _PLAIN and q2.__class__ in _PLAIN and k2.__class__ in _PLAIN
+            and not torch.compiler.is_compiling()):
+        key = (tuple(ints), tuple(floats), q1.shape, q1.stride(), q1.requires_grad, k1.shape, k1.stride(),
+               k1.requires_grad, q2.shape, q2.stride(), q2.requires_grad, k2.shape, k2.stride(), k2.requires_grad,
+               q1.dtype, q1.device, k1.dtype, k1.device, q2.dtype, q2.device, k2.dtype, k2.device,
+               _state(cu_q), _state(cu_k), _state(mask1), _state(mask2), id(host_q), id(host_k))
+        hit = _UNPACKED.get(key)
+        if hit is not None:
+            return hit[0], hit[1]
+    causal, left, right, seqlen_q, seqlen_k, block1_q, block1_k, block2_q, block2_k, deterministic, tail, backend = ints
     problem = describe_problem(
         q1, k1, q2, k2, floats[0], floats[1], bool(causal), (left, right), cu_q, cu_k, seqlen_q, seqlen_k,
         None if mask1 is None else SideMask(mask1, block1_q, block1_k),
-        None if mask2 is None else SideMask(mask2, block2_q, block2_k),
+        None if block2_q == 0 else SideMask(mask1 if mask2 is None else mask2, block2_q, block2_k),
         bool(deterministic), None if tail < 0 else tail, host_q, host_k,
     )
-    return problem, get_backend(PRIORITY[backend])
+    impl = get_backend(PRIORITY[backend])
+    if key is not None:  # (the Problem holds the tables, patterns and host copies: their ids stay theirs)
+        _UNPACKED.put(key, (problem, impl))
+    return problem, impl
 
 
 def run_forward(problem: Problem, impl: Backend, q1, k1, q2, k2) -> tuple:
@@ -98,7 +130,7 @@ def _forward_fake(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
 
 def _backward_impl(grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ints, floats, needs):
     problem, impl = unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
-    with torch.no_grad():  # (under create_graph=True too: the op has no derivative)
+    with torch.no_grad():  # the op has no derivative (`_KL.backward` is once_differentiable)
         grads = run_backward(problem, impl, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (q1, k1, q2, k2)))
 
@@ -112,7 +144,9 @@ class _KL(torch.autograd.Function):
 
     An `autograd.Function` around the ops (FlashAttention's arrangement) rather than
     `torch.library.register_autograd`, whose wrapper walks the op's schema on every call (about
-    half the front end's host time on a small problem); eager and torch.compile take it alike."""
+    half the front end's host time on a small problem); eager and torch.compile take it alike.
+    There is no second derivative: under create_graph=True the gradients carry `_NoSecondDerivative`,
+    so a double backward raises rather than dropping terms."""
 
     @staticmethod
     def forward(ctx, q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
@@ -134,10 +168,31 @@ class _KL(torch.autograd.Function):
         if grad_rows is None or not any(needs):
             return (None,) * 10
         q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2 = ctx.saved_tensors
-        grads = torch.ops.streamkl.kl_backward(
-            grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats, needs
-        )
-        return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 6
+        if not torch.is_grad_enabled():  # the usual backward: the op, no autograd around it
+            grads = torch.ops.streamkl.kl_backward(
+                grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats, needs
+            )
+            return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 6
+        with torch.no_grad():  # create_graph=True
+            grads = torch.ops.streamkl.kl_backward(
+                grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats, needs
+            )
+        anchor = next(t for t, need in zip((q1, k1, q2, k2), needs) if need)  # requires grad: records the node
+        wanted = _NoSecondDerivative.apply(anchor, *(g for g, need in zip(grads, needs) if need))
+        wanted = iter(wanted if isinstance(wanted, tuple) else (wanted,))
+        return tuple(next(wanted) if need else None for need in needs) + (None,) * 6
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes the first gradients through; differentiating them again raises."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return grads if len(grads) > 1 else grads[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("streamkl.kl has no second derivative (its backward is not differentiable)")
 
 
 _LIBRARY.impl("kl_forward", _forward_impl, "CompositeExplicitAutograd")
@@ -146,16 +201,19 @@ torch.library.register_fake("streamkl::kl_forward", _forward_fake, lib=_LIBRARY)
 torch.library.register_fake("streamkl::kl_backward", _backward_fake, lib=_LIBRARY)
 
 
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("streamkl::kl_backward has no autograd formula: streamkl.kl has no second derivative")
-
-
-torch.library.register_autograd("streamkl::kl_backward", _no_double_backward, lib=_LIBRARY)
-
-
 def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2) -> tuple:
     """(kl_rows, lse1, lse2, expect) of a validated problem, differentiable in q1, k1, q2, k2."""
     cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem, impl.name)
     if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
+        if torch.compiler.is_compiling():  # dynamo refuses a tensor passed twice to an autograd Function
+            q1, k1, q2, k2 = _distinct((q1, k1, q2, k2))
         return _KL.apply(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats)
     return torch.ops.streamkl.kl_forward(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats)
+
+
+def _distinct(tensors: tuple) -> tuple:
+    """The tensors, a repeated one replaced by a view of itself (gradients still reach it)."""
+    out = []
+    for t in tensors:
+        out.append(t.view_as(t) if any(t is seen for seen in out) else t)
+    return tuple(out)

@@ -58,7 +58,9 @@ def _rows_with_side1_support(problem: Problem) -> torch.Tensor:
     if problem.is_varlen:
         cu_q, cu_k = problem.cu_seqlens_q.long(), problem.cu_seqlens_k.long()
         tokens = torch.arange(problem.total_q, device=device)
-        seq = torch.searchsorted(cu_q[1:], tokens, right=True)  # the sequence of each packed row
+        # the sequence of each packed row; the whole table as boundaries (cu_q[0] = 0 <= every row):
+        # inductor's bucketize lowering of torch 2.11 cannot take a sliced one
+        seq = torch.searchsorted(cu_q, tokens, right=True) - 1
         valid = seq < problem.batch  # rows past cu_seqlens[-1] belong to none
         seq = seq.clamp(max=max(problem.batch - 1, 0))
         if problem.batch == 0:

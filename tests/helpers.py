@@ -38,9 +38,12 @@ def make_inputs(shape_q, shape_k, heads, heads_k, dims, dtype, device, requires_
     ]
 
 
-def check_against_reference(inputs, backend, check_grads=True, **kwargs):
+def check_against_reference(inputs, backend, check_grads=True, reduction="none", **kwargs):
     """Run streamkl.kl (reduction none, lse) and the float64 reference on the same rounded inputs;
-    assert SPEC section 7 tolerances for KL, lse1, lse2 and every gradient that is required."""
+    assert SPEC section 7 tolerances for KL, lse1, lse2 and every gradient that is required.
+
+    With `reduction` "sum" or "mean", the gradients checked are those of that reduced loss (the
+    backward of an expanded scalar), and the reduced value is checked too."""
     dtype = inputs[0].dtype
     kl_tol, grad_tol = TOLERANCE[dtype]
     out, lse1, lse2 = streamkl.kl(*inputs, reduction="none", return_lse=True, backend=backend, **kwargs)
@@ -53,6 +56,8 @@ def check_against_reference(inputs, backend, check_grads=True, **kwargs):
         if finite.any():
             err = rel_l2(a[finite], e[finite])
             assert err <= kl_tol, f"{name}: relative L2 error {err:.3g} > {kl_tol}"
+    if reduction != "none":
+        return _check_reduced(inputs, leaves, backend, reduction, ref, ref_lse1, check_grads, kwargs)
     if not check_grads or not any(t.requires_grad for t in inputs):
         return out
     finite_rows = torch.isfinite(ref)
@@ -70,6 +75,43 @@ def check_against_reference(inputs, backend, check_grads=True, **kwargs):
         rg = torch.zeros_like(leaves[i]) if rg is None else rg
         err = rel_l2(g, rg)
         assert err <= grad_tol, f"{name}: relative L2 error {err:.3g} > {grad_tol}"
+    return out
+
+
+def _reference_reduction(ref, ref_lse1, reduction):
+    """SPEC's reduction of the reference rows: mean over the (row, head) pairs with a non-empty
+    side-1 support (finite lse1; inputs here are random, so no row is empty by value)."""
+    total = ref.sum()
+    if reduction == "sum":
+        return total
+    count = int(torch.isfinite(ref_lse1).sum())
+    return total / count if count else total * 0
+
+
+def _check_reduced(inputs, leaves, backend, reduction, ref, ref_lse1, check_grads, kwargs):
+    dtype = inputs[0].dtype
+    kl_tol, grad_tol = TOLERANCE[dtype]
+    out = streamkl.kl(*inputs, reduction=reduction, backend=backend, **kwargs)
+    expected = _reference_reduction(ref, ref_lse1, reduction)
+    assert out.dtype == torch.float32 and out.shape == ()
+    if not torch.isfinite(expected):
+        assert torch.equal(torch.isposinf(out), torch.isposinf(expected)), f"{reduction}: {out} vs {expected}"
+        return out
+    err = rel_l2(out, expected)
+    assert err <= kl_tol, f"{reduction}: relative error {err:.3g} > {kl_tol}"
+    wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+    if not check_grads or not wanted:
+        return out
+    scale = 1.0 + torch.rand(()).item()  # a non-unit upstream gradient reaches the kernels as a scalar
+    grads = torch.autograd.grad(out * scale, [inputs[i] for i in wanted])
+    ref_grads = torch.autograd.grad(expected * scale, [leaves[i] for i in wanted], allow_unused=True)
+    for i, g, rg in zip(wanted, grads, ref_grads):
+        name = ("dq1", "dk1", "dq2", "dk2")[i]
+        assert g.dtype == dtype and g.shape == inputs[i].shape, name
+        assert torch.isfinite(g).all(), f"{name}: non-finite gradient ({reduction})"
+        rg = torch.zeros_like(leaves[i]) if rg is None else rg
+        err = rel_l2(g, rg)
+        assert err <= grad_tol, f"{name} of the {reduction}: relative L2 error {err:.3g} > {grad_tol}"
     return out
 
 

@@ -129,6 +129,16 @@ def test_reductions(reduction, backend):
     assert all(torch.isfinite(t.grad).all() for t in inputs)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("needs", ["student", "both"])
+def test_reduced_loss_gradients_against_reference(reduction, needs, backend):
+    """The gradient of a reduced loss (an expanded scalar upstream) against the reference's, on
+    rows some of which see nothing (mean divides by the others)."""
+    grads = (False, False, True, True) if needs == "student" else (True, True, True, True)
+    inputs = make_inputs((1, 70), (1, 40), 2, (2, 1), (16, 32), torch.float32, DEVICE, grads)
+    check_against_reference(inputs, backend, causal=True, reduction=reduction)
+
+
 def test_mean_counts_rows_of_each_structure(backend):
     """The mean divides by the rows with a non-empty side-1 support, counted from the structure
     (lengths, causality, window) without a device op, or from lse1 under a side-1 block mask:

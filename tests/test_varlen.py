@@ -141,3 +141,43 @@ def test_mean_without_value_reads_uses_a_table_seen_before(monkeypatch):
     monkeypatch.setattr(api, "_may_read_values", lambda: False)
     assert torch.equal(streamkl.kl(*inputs, **kwargs), eager)
     assert not counted
+
+
+@pytest.mark.parametrize("structure", ["varlen-causal", "shared-blockmask", "repeated-input"])
+def test_torch_compile_fullgraph_shared_tables(structure):
+    """One cu_seqlens table for queries and keys, one BlockMask on both sides, or one tensor as
+    q1, k1 and q2, under
+    torch.compile(fullgraph=True) (a tensor reaches the autograd Function once): the mean's count is
+    computed in the graph; loss and student gradients match eager."""
+    if structure == "varlen-causal":
+        lengths = [30, 0, 51, 6]
+        cu = cu_seqlens_from_lengths(lengths, DEVICE)
+        student = (False, False, True, True)
+        q1, k1, q2, k2 = make_inputs((92,), (92,), 4, (4, 2), (16, 8), torch.float32, DEVICE, student)
+        options = dict(cu_seqlens=cu, max_seqlen=max(lengths), causal=True)
+    else:
+        q1, k1, q2, k2 = make_inputs((1, 40), (1, 40), 2, (2, 2), (16, 8), torch.float32, DEVICE,
+                                     (False, False, True, True))
+        pattern = torch.rand(1, 1, 3, 3, device=DEVICE) < 0.6
+        pattern[..., 1:, 0] = False  # some rows see nothing on side 1: the mean's count is not the numel
+        pattern[..., 0, 0] = True
+        mask = streamkl.BlockMask.from_dense(pattern, 16)
+        options = dict(mask1=mask, mask2=mask)
+    if structure == "repeated-input":
+        q2 = make_inputs((1, 40), (1, 40), 2, (2, 2), (16, 16), torch.float32, DEVICE)[2]
+        q1 = k1 = q2
+        k2 = q2.detach() * 0.5
+        options = dict(causal=True)
+
+    def loss_fn(q1, k1, q2, k2):
+        return 2.0 * streamkl.kl(q1, k1, q2, k2, backend="torch", **options)
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    out = compiled(q1, k1, q2, k2)
+    wanted = [t for t in (q2, k2) if t.requires_grad]
+    grads = torch.autograd.grad(out, wanted)
+    eager = loss_fn(q1, k1, q2, k2)
+    eager_grads = torch.autograd.grad(eager, wanted)
+    assert torch.allclose(out, eager, rtol=1e-5, atol=0)
+    for a, b in zip(grads, eager_grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
