@@ -115,20 +115,16 @@ def write_tail_rows(problem: Problem, kl_rows, lse1, lse2, expect) -> None:
     expect.masked_fill_(tail[None, :], 0.0)
 
 
-def finalize_rows(m1, l1, m2, l2, acc, uncovered, empty1, empty2=None):
+def finalize_rows(m1, l1, m2, l2, acc, uncovered, empty1):
     """From the five running statistics (natural-log units) to (KL, lse1, lse2, E), with the SPEC's
     edge rules: the torch backend's rows and the Triton split-K merge.
 
-    `uncovered`, `empty1` (and `empty2`, where known) come from the structure (masks, causality,
-    window, lengths). A row whose allowed scores on a side are all -inf by value (an infinite input)
-    has l == 0 without being empty: its lse, KL and E read NaN, as softmax does. Without `empty2`,
-    side 2 is known non-empty where side 1 is non-empty and covered (side 2 allows all its keys)."""
-    if empty2 is None:
-        empty2 = empty1 | uncovered
-    lse1 = m1 + torch.log(l1)  # -inf on empty rows
+    `uncovered` and `empty1` come from the structure (masks, causality, window, lengths). A row whose
+    allowed scores on a side are all -inf by value (an infinite input) has l == 0 without being
+    empty: its KL and E read NaN, as softmax does, and its lse is -inf, as torch.logsumexp gives
+    (every backend's kernels write the same)."""
+    lse1 = m1 + torch.log(l1)  # -inf on empty rows and on rows whose scores are all -inf
     lse2 = m2 + torch.log(l2)
-    lse1 = torch.where(~empty1 & (l1 == 0), float("nan"), lse1)
-    lse2 = torch.where(~empty2 & (l2 == 0), float("nan"), lse2)
     expect = torch.where(empty1, 0.0, acc / torch.where(empty1, 1.0, l1))
     # KL = E - lse1 + lse2, with the large terms cancelled first: m2 - m1 and log(l2 / l1)
     kl = expect - (m1 - m2) - torch.log(l1) + torch.log(l2)

@@ -227,7 +227,6 @@ class TorchChunkedBackend(Backend):
             acc = torch.zeros(shape, device=device)
             uncovered = torch.zeros(shape, dtype=torch.bool, device=device)
             seen1 = torch.zeros(shape, dtype=torch.bool, device=device)  # any side-1 key allowed
-            seen2 = torch.zeros(shape, dtype=torch.bool, device=device)
             for chunk in chunks:
                 s1 = sides.scores(0, sides.keys(0, chunk.cols))
                 s2 = sides.scores(1, sides.keys(1, chunk.cols))
@@ -237,11 +236,9 @@ class TorchChunkedBackend(Backend):
                     s2 = s2.masked_fill(~allowed2, NEG_INF)
                     uncovered |= (allowed1 & ~allowed2).any(-1)
                     seen1 |= allowed1.any(-1)
-                    seen2 |= allowed2.any(-1)
                     diff = torch.where(allowed1 & allowed2, s1 - s2, 0.0)
                 else:
                     seen1.fill_(True)
-                    seen2.fill_(True)
                     diff = s1 - s2
                 m1_new = torch.maximum(m1, s1.amax(-1))
                 m2_new = torch.maximum(m2, s2.amax(-1))
@@ -254,7 +251,7 @@ class TorchChunkedBackend(Backend):
                 acc = acc * alpha1 + (e1 * diff).sum(-1)
                 l2 = l2 * torch.exp(m2 - m2_safe) + torch.exp(s2 - m2_safe[..., None]).sum(-1)
                 m1, m2 = m1_new, m2_new
-            kl, row_lse1, row_lse2, row_e = finalize_rows(m1, l1, m2, l2, acc, uncovered, ~seen1, ~seen2)
+            kl, row_lse1, row_lse2, row_e = finalize_rows(m1, l1, m2, l2, acc, uncovered, ~seen1)
             _, q_start, len_q, _, _ = span
             row_slice = _as_slice(rows)
             row_view(problem, kl_rows, seq, q_start, len_q)[row_slice, heads] = kl.transpose(0, 1)
