@@ -1,6 +1,6 @@
 """The Triton backend on a real GPU, at real sizes: against the float64 reference where it fits,
-against the torch backend (float32) where it does not. Skipped without CUDA, except the split-K
-merge test at the end, which also runs under TRITON_INTERPRET=1 on tiny shapes.
+against the torch backend (float32) where it does not. Skipped without CUDA, except the sm_90a
+compile tests (ahead of time, no GPU needed); tests/test_triton_split_k.py covers split-K on the CPU.
 
     python -m pytest -q tests/test_triton_gpu.py            # on the H200, through the device tool
 """
