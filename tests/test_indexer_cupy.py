@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from conftest import DEVICE
 
 from streamkl.backends.cupy import CupyBackend, emulate
 from streamkl.backends.cupy import indexer as cupy_indexer
+from streamkl.indexer import IndexerProblem
 
 _REASONS = CupyBackend().environment_reasons()
 ON_GPU = not _REASONS and DEVICE == "cuda" and not emulate.emulating()
@@ -27,33 +28,7 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CuPy and a CUDA GPU (too
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 2e-2), torch.bfloat16: (1e-2, 2e-2)}  # SPEC 7
 
 
-# ---------------------------------------------------------------------------------- stand-ins
-@dataclass(frozen=True)
-class IndexerProblem:
-    """The fields of streamkl.indexer.IndexerProblem (DSA interface), built directly by the tests."""
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_k: int
-    dim: int
-    index_heads: int
-    index_dim: int
-    scale: float
-    causal: bool
-    topk: int
-    dtype: torch.dtype
-    device: torch.device
-    is_varlen: bool = False
-    total_q: int = 0
-    total_k: int = 0
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    lse_given: bool = False
-    key: tuple = field(default=())
-
-
+# ------------------------------------------------------------------------ the float64 oracle
 def indexer_kl_reference(q, k, qi, ki, w, scale=None, causal=True, topk_indices=None):
     """Dense layout only (B, N, ...): float64 per-row loss (B, Nq). Materializes everything."""
     q, k, qi, ki, w = (t.double() for t in (q, k, qi, ki, w))

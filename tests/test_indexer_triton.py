@@ -11,39 +11,15 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from streamkl.backends.triton import indexer as triton_indexer
+from streamkl.indexer import IndexerProblem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 2e-2), torch.bfloat16: (1e-2, 2e-2)}
-
-
-@dataclass(frozen=True)
-class IndexerProblem:
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_k: int
-    dim: int
-    index_heads: int
-    index_dim: int
-    scale: float
-    causal: bool
-    topk: int
-    dtype: torch.dtype
-    device: torch.device
-    is_varlen: bool = False
-    total_q: int = 0
-    total_k: int = 0
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    lse_given: bool = False
-    key: tuple = ()
 
 
 def indexer_kl_reference(q, k, qi, ki, w, scale=None, causal=True, topk_indices=None):

@@ -10,36 +10,12 @@ Prints milliseconds (median of CUDA-event timings) and the peak memory above the
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from streamkl.backends.triton import indexer
-
-
-@dataclass(frozen=True)
-class Problem:  # the fields of streamkl.indexer.IndexerProblem the kernels read
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_k: int
-    dim: int
-    index_heads: int
-    index_dim: int
-    scale: float
-    causal: bool
-    topk: int
-    dtype: torch.dtype
-    device: torch.device
-    is_varlen: bool = False
-    total_q: int = 0
-    total_k: int = 0
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    lse_given: bool = False
-    key: tuple = ()
+from streamkl.indexer import IndexerProblem as Problem
 
 
 def timed(fn, reps=5):

@@ -40,27 +40,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _patch_interpreter_index() -> None:
-    """Triton 3.x's interpreter turns a scalar into a Python int with `int(array)`, which NumPy >= 2.3
-    refuses for size-1 arrays, so `range(n)` over a runtime bound fails: index through the element."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_streamkl_patched", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._streamkl_patched = True
-    interpreter._patch_lang_tensor = patched
-
-
 def _kernels():
     """The kernel module, imported on first use (Triton may be missing where this is imported)."""
     if _interpreting():
-        _patch_interpreter_index()
+        from streamkl.backends.triton._compat import patch_interpreter_index
+
+        patch_interpreter_index()
     from streamkl.backends.triton import indexer_kernels
 
     return indexer_kernels
