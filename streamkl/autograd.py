@@ -130,7 +130,7 @@ def _forward_fake(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
 
 def _backward_impl(grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ints, floats, needs):
     problem, impl = unpack_problem(q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
-    with torch.no_grad():  # the op has no derivative (`_KL.backward` is once_differentiable)
+    with torch.no_grad():  # the op has no derivative (`_KL` raises on a second one)
         grads = run_backward(problem, impl, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (q1, k1, q2, k2)))
 

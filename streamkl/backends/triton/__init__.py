@@ -40,7 +40,7 @@ def _tile_sizes(dim1: int, dim2: int, itemsize: int, mask_blocks: tuple, interpr
         block_q, block_k = 64, 64
     elif itemsize == 4:  # full-float32 products run on the FMA units; smaller tiles fit shared memory
         block_q, block_k = (32, 32) if dim > 128 else (64, 32) if dim > 64 else (64, 64)
-    else:  # measured on the H200 (benchmarks/results/tune_h200.*)
+    else:  # measured on the H200 (docs/performance.md)
         block_q, block_k = (64, 32) if dim > 128 else (128, 128)
     # the kernels read block patterns only through the schedule flags: no tile straddles a block
     for mask_q, mask_k in mask_blocks:
