@@ -1,10 +1,10 @@
-"""One small thread-safe LRU cache, used by every memo of the front end and the tile schedule."""
+"""One small thread-safe LRU cache, used by every memo: the front end, the tile schedule, the backends' plans."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 _MISSING = object()
@@ -38,6 +38,20 @@ class LRUCache:
             self._data.move_to_end(key)
             while len(self._data) > self.size:
                 self._data.popitem(last=False)
+
+    def get_or_make(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """The kept value, or `make()`'s, kept. `make` runs outside the lock (it may compile or
+        build schedules); when two threads make the same key at once, the first one kept wins."""
+        value = self.get(key, _MISSING)
+        if value is not _MISSING:
+            return value
+        value = make()
+        with self._lock:
+            kept = self._data.setdefault(key, value)
+            self._data.move_to_end(key)
+            while len(self._data) > self.size:
+                self._data.popitem(last=False)
+        return kept
 
     def clear(self) -> None:
         with self._lock:

@@ -22,9 +22,9 @@ def reduce_rows(kl_rows: torch.Tensor, reduction: str, problem: Problem) -> torc
         return kl_rows
     if reduction == "sum":
         return kl_rows.sum()
+    # sum then divide, not Tensor.mean: the backward's row gradient stays one value expanded over
+    # the rows (stride 0), which the kernels read as one number, rather than a materialized tensor
     count = mean_count(problem)
-    if type(count) is int and count == kl_rows.numel():  # every row counts: one kernel
-        return kl_rows.mean()
     return kl_rows.sum() / count
 
 

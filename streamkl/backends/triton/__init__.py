@@ -4,7 +4,7 @@
 - forward.py, backward.py: the portable kernels (tl.*), which also run on the CPU interpreter
   (TRITON_INTERPRET=1: tests, CI).
 - gluon/: the Hopper kernels (warp-specialized, TMA, wgmma), where measured faster.
-- launch.py: launching through Triton's public API, and the per-problem plan cache.
+- launch.py: launching through Triton's public API with little host time (`Launcher`).
 - common.py: masks, products, strides and device queries the kernels share; _compat.py: the
   private Triton APIs used, version-gated.
 """
@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from streamkl._cache import LRUCache
 from streamkl.backends.base import Backend
 from streamkl.problem import Problem
 
@@ -54,9 +55,7 @@ class TritonBackend(Backend):
     zeroes_empty_rows = True  # backward._row_stats
 
     def __init__(self) -> None:
-        from streamkl.backends.triton.launch import PlanCache
-
-        self._plans = PlanCache(128)  # per-problem selections and launch plans
+        self._plans = LRUCache(128)  # per-problem selections and launch plans
 
     def environment_reasons(self) -> list[str]:
         reason = _import_reason()
@@ -104,8 +103,8 @@ class TritonBackend(Backend):
                 gluon_plan = gluon_forward.plan(problem, schedule)
             return problem, choice, forward.plan(problem, choice, schedule), gluon_plan
 
-        _, choice, plan, gluon_plan = self._plans.get(("forward", problem.key, schedule.block_q, schedule.block_k),
-                                                      make)
+        key = ("forward", problem.key, schedule.block_q, schedule.block_k)
+        _, choice, plan, gluon_plan = self._plans.get_or_make(key, make)
         with _inputs_device(problem):
             if gluon_plan is not None and select.tma_inputs(q1, k1, q2, k2):
                 from streamkl.backends.triton.gluon import forward as gluon_forward
@@ -120,7 +119,7 @@ class TritonBackend(Backend):
             return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
         deterministic = problem.deterministic or torch.are_deterministic_algorithms_enabled()
         key = ("backward", problem.key, schedule.block_q, schedule.block_k, tuple(needs), deterministic)
-        _, choice = self._plans.get(key, lambda: (problem, select.select_backward(
+        _, choice = self._plans.get_or_make(key, lambda: (problem, select.select_backward(
             problem, schedule.block_q, schedule.block_k, tuple(needs), deterministic)))
         with _inputs_device(problem):
             if choice.kind.startswith("gluon") and select.tma_inputs(q1, k1, q2, k2):

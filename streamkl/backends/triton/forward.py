@@ -37,7 +37,7 @@ from streamkl.backends.triton.common import (
     varlen_args,
     window_bounds,
 )
-from streamkl.backends.triton.launch import launch
+from streamkl.backends.triton.launch import Launcher, launcher
 from streamkl.backends.triton.select import Forward, tma_inputs
 from streamkl.problem import Problem
 from streamkl.sparse.schedule import TileSchedule
@@ -286,7 +286,8 @@ class Plan(NamedTuple):
     tables: tuple  # cu_seqlens (or placeholders) and the schedule's four lists
     scalars: tuple  # every argument after the inputs' head strides
     constexprs: dict  # keys by pointers
-    tma_constexprs: dict  # keys through TMA descriptors
+    run: Launcher  # keys by pointers
+    run_tma: Launcher  # keys through TMA descriptors
 
 
 def plan(problem: Problem, choice: Forward, schedule: TileSchedule) -> Plan:
@@ -322,7 +323,9 @@ def plan(problem: Problem, choice: Forward, schedule: TileSchedule) -> Plan:
         USE_TMA=False, FOLD=choice.fold,
     )
     tables = (cu_q, cu_k, schedule.kv_count, schedule.kv_full, schedule.kv_index, schedule.kv_partial)
-    return Plan(grid, tables, scalars, constexprs, dict(constexprs, USE_TMA=True))
+    run = launcher(_kl_fwd_kernel, choice.num_warps, choice.num_stages, **constexprs)
+    run_tma = launcher(_kl_fwd_kernel, choice.num_warps, choice.num_stages, **dict(constexprs, USE_TMA=True))
+    return Plan(grid, tables, scalars, constexprs, run, run_tma)
 
 
 def key_descriptors(problem: Problem, k1: torch.Tensor, k2: torch.Tensor, block_k: int):
@@ -359,8 +362,7 @@ def kl_forward(problem: Problem, choice: Forward, launch_plan: Plan, q1, k1, q2,
         *head_strides(q1, varlen), *head_strides(k1, varlen), *head_strides(q2, varlen), *head_strides(k2, varlen),
         *launch_plan.scalars,
     )
-    launch(_kl_fwd_kernel, launch_plan.grid, args, choice.num_warps, choice.num_stages,
-           launch_plan.tma_constexprs if descs is not None else launch_plan.constexprs)
+    (launch_plan.run if descs is None else launch_plan.run_tma)(launch_plan.grid, *args)
     if choice.splits > 1:
         combine_splits(problem, parts, kl_rows, lse1, lse2, expect)
         write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # the combine wrote the tail rows too

@@ -1,72 +1,164 @@
-"""Launching and what the backend keeps between calls.
+"""Launching Triton kernels with little host time, through Triton's public API.
 
-Every kernel is launched through Triton's public API (`kernel[grid](*args, **constexprs)`; TMA
-descriptors are `TensorDescriptor` objects). A portable kernel whose shared memory does not fit
-at the requested pipeline depth is retried shallower, and the depth that fits is remembered.
+A `Launcher` is one kernel at one configuration (constexprs, warps, pipeline depth). Its first
+launch for each argument specialization goes through `kernel[grid](*args, **constexprs)`, which
+compiles (or finds) the kernel and returns the compiled kernel; later launches with the same
+specialization call that compiled kernel directly (`compiled[grid](*args)`), which skips the JIT's
+argument binding and cache lookup, most of a launch's host time.
 
-`PlanCache` keeps per-problem launch decisions (grids, constexprs, scalar arguments, the schedule
-tensors they read) so that a repeated call does no selection work. Keys are `Problem.key` (every
-structural field, and cu_seqlens / mask tensors by identity and version) plus what else a plan
-reads; the plan holds the problem, so the tensors behind the key's ids stay alive with it.
+The specialization key is at least as fine as Triton's own, so a reused compiled kernel is the
+one Triton would have picked: each tensor's dtype and 16-byte alignment; each int's `== 1`,
+divisibility by 16 and 32-bit range; each descriptor's base dtype, alignment, shape, strides,
+block and layout; and the device. A portable kernel whose shared memory does not fit at the
+requested pipeline depth is retried shallower, and the launcher keeps the depth that fits.
+Under the interpreter every launch goes through `kernel[grid]`.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
-
+import torch
 import triton
 
+from streamkl._cache import LRUCache
 from streamkl.backends.triton.common import interpreting
 
+__all__ = ["Bound", "Launcher", "launcher", "launch"]
 
-class PlanCache:
-    """A thread-safe LRU map: `get(key, make)` returns the kept value or keeps `make()`'s."""
-
-    def __init__(self, size: int = 64):
-        self._size = size
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key, make: Callable[[], Any]):
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-                return value
-        value = make()  # outside the lock: may compile or build schedules
-        with self._lock:
-            kept = self._items.setdefault(key, value)
-            self._items.move_to_end(key)
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
-        return kept
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
+_INT32 = 2**31
 
 
-_STAGES_THAT_FIT: dict = {}
-_STAGES_LOCK = threading.Lock()
+def _descriptor_key(d) -> tuple:
+    base = d.base
+    return (base.dtype, base.data_ptr() % 16 == 0, *d.shape, None, *d.strides, None, *d.block_shape,
+            getattr(d, "layout", None), getattr(d, "padding", None))
 
 
-def launch(kernel, grid: tuple, args: tuple, num_warps: int, num_stages: int, constexprs: dict) -> None:
-    """`kernel[grid](*args, **constexprs)`; if its shared memory does not fit, retried with a
-    shallower pipeline, the depth that fits remembered for this configuration."""
-    key = (kernel.fn.__name__, num_warps, num_stages, *sorted(constexprs.items()))
-    with _STAGES_LOCK:
-        stages = _STAGES_THAT_FIT.get(key, num_stages)
-    while True:
-        try:
-            kernel[grid](*args, num_warps=num_warps, num_stages=stages, **constexprs)
-        except triton.runtime.errors.OutOfResources:
-            if stages <= 1 or interpreting():
-                raise
-            stages -= 1
-            continue
-        with _STAGES_LOCK:
-            _STAGES_THAT_FIT[key] = stages
-        return
+def specialization(args: tuple) -> tuple:
+    """A hashable summary of the runtime arguments, at least as fine as Triton's specialization."""
+    key = []
+    for a in args:
+        cls = a.__class__
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif cls is int:
+            key.append((a == 1, a % 16 == 0, -_INT32 <= a < _INT32))
+        elif cls is float or a is None:
+            key.append(None)
+        elif cls is bool:
+            key.append(bool)
+        elif hasattr(a, "block_shape"):  # a TMA descriptor (triton.tools or gluon)
+            key.append(_descriptor_key(a))
+        else:
+            key.append((cls, a))  # anything else: by value (hashable, or this raises)
+    return tuple(key)
+
+
+class Launcher:
+    """`launcher(grid, *args)` launches `kernel` at this configuration; see the module docstring.
+
+    `args` are the kernel's runtime arguments in order; the constexprs are fixed here. `bind(fixed)`
+    fixes the trailing runtime arguments too (a plan's scalars and tables), whose specialization is
+    then computed once."""
+
+    def __init__(self, kernel, constexprs: dict, num_warps: int, num_stages: int | None = None):
+        self.kernel = kernel
+        self.constexprs = dict(constexprs)
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+        names = list(kernel.arg_names)
+        unknown = set(self.constexprs) - set(names)
+        if unknown:
+            raise TypeError(f"{kernel.fn.__name__} has no parameters {sorted(unknown)}")
+        # where each constexpr goes among the compiled kernel's arguments (all parameters, in order)
+        self._slots = [(i, self.constexprs[n]) for i, n in enumerate(names) if n in self.constexprs]
+        trailing = [i for i, _ in self._slots] == list(range(len(names) - len(self._slots), len(names)))
+        self._tail = tuple(value for _, value in self._slots) if trailing else None
+        self._compiled: dict = {}
+
+    def bind(self, fixed: tuple) -> Bound:
+        """This launcher with its last runtime arguments fixed: `bound(grid, *args)` launches
+        `kernel(*args, *fixed)`."""
+        return Bound(self, tuple(fixed))
+
+    def _options(self) -> dict:
+        options = dict(self.constexprs, num_warps=self.num_warps)
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        return options
+
+    def _all_args(self, args: tuple):
+        if self._tail is not None:
+            return (*args, *self._tail)
+        full = list(args)
+        for index, value in self._slots:
+            full.insert(index, value)
+        return full
+
+    def _first(self, grid: tuple, args: tuple):
+        """Launch through the JIT (compiling if needed); the compiled kernel, or None (interpreter)."""
+        while True:
+            try:
+                compiled = self.kernel[grid](*args, **self._options())
+            except triton.runtime.errors.OutOfResources:
+                if self.num_stages is None or self.num_stages <= 1:
+                    raise
+                self.num_stages -= 1  # shallower pipeline; kept for every later launch
+                self._compiled.clear()
+                continue
+            return compiled if hasattr(compiled, "__getitem__") else None
+
+    def __call__(self, grid: tuple, *args) -> None:
+        if interpreting():
+            self.kernel[grid](*args, **self._options())
+            return
+        key = (torch.cuda.current_device(), specialization(args))
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            compiled[(*grid, 1, 1)[:3]](*self._all_args(args))
+            return
+        compiled = self._first(grid, args)
+        if compiled is not None:
+            self._compiled[key] = compiled
+
+
+class Bound:
+    """A `Launcher` with its trailing runtime arguments fixed (`Launcher.bind`)."""
+
+    def __init__(self, launcher: Launcher, fixed: tuple):
+        self.launcher = launcher
+        self.fixed = fixed
+        self._rest = None if launcher._tail is None else (*fixed, *launcher._tail)
+        self._compiled: dict = {}
+
+    def __call__(self, grid: tuple, *args) -> None:
+        launcher = self.launcher
+        if interpreting():
+            launcher(grid, *args, *self.fixed)
+            return
+        key = (torch.cuda.current_device(), launcher.num_stages, specialization(args))
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            if self._rest is not None:
+                compiled[(*grid, 1, 1)[:3]](*args, *self._rest)
+            else:
+                compiled[(*grid, 1, 1)[:3]](*launcher._all_args((*args, *self.fixed)))
+            return
+        stages = launcher.num_stages
+        compiled = launcher._first(grid, (*args, *self.fixed))
+        if compiled is not None:
+            key = key if stages == launcher.num_stages else (key[0], launcher.num_stages, key[2])
+            self._compiled[key] = compiled
+
+
+_LAUNCHERS = LRUCache(512)
+
+
+def launcher(kernel, num_warps: int, num_stages: int | None = None, **constexprs) -> Launcher:
+    """The shared `Launcher` of this kernel and configuration (plans keep theirs; this finds it)."""
+    key = (kernel, num_warps, num_stages, tuple(sorted(constexprs.items())))
+    return _LAUNCHERS.get_or_make(key, lambda: Launcher(kernel, constexprs, num_warps, num_stages))
+
+
+def launch(kernel, grid: tuple, args: tuple, num_warps: int, num_stages: int | None, constexprs: dict) -> None:
+    """`kernel[grid](*args, **constexprs)` through its shared `Launcher`."""
+    launcher(kernel, num_warps, num_stages, **constexprs)(grid, *args)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.experimental.gluon import language as gl
 
+from streamkl._cache import LRUCache
 from streamkl.backends.triton.backward import rescaled_upstream
 from streamkl.backends.triton.common import (
     LN2,
@@ -26,7 +27,7 @@ from streamkl.backends.triton.common import (
 )
 from streamkl.backends.triton.gluon.backward_kernel import _kl_bwd_gluon_kernel
 from streamkl.backends.triton.gluon.common import flat_descriptor, gl_dtype
-from streamkl.backends.triton.launch import PlanCache
+from streamkl.backends.triton.launch import Bound, launcher
 from streamkl.backends.triton.select import key_major, tile_fit
 from streamkl.problem import Problem
 from streamkl.sparse.schedule import get_key_schedule, heaviest_first
@@ -77,8 +78,7 @@ def constexprs(problem: Problem, both: bool, g_one: bool, unscaled: bool, progra
 
 class Plan(NamedTuple):
     grid: tuple
-    fixed: tuple  # the arguments after the call's tensors; None: a placeholder (the call's lse1)
-    constexprs: dict
+    run: Bound  # the kernel with every argument after the call's tensors fixed
 
 
 def plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule, unscaled: bool, head_lo: int, heads: int,
@@ -112,7 +112,9 @@ def plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule, unscaled: bool, 
         problem.seqlen_q, problem.seqlen_k, heads // group2, head_lo, group1, group2,
         scale1, scale2, scale2 * LN2, scale1 * LN2, k_programs,
     )  # fmt: skip
-    return Plan((programs,), fixed, kinds)
+    unused = torch.empty(1, dtype=torch.float32, device=problem.device)  # the pointers no branch reads
+    fixed = tuple(unused if t is None else t for t in fixed)
+    return Plan((programs,), launcher(_kl_bwd_gluon_kernel, 4, None, **kinds).bind(fixed))
 
 
 def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None) -> tuple:
@@ -180,21 +182,23 @@ def flush_dq(accums, outs, head_lo: int, scale=None) -> bool:
     rows = a1.numel() // width if width else 0
     if rows == 0:
         return True
-    block_r, block_c = 16, 256
-    grid = (cdiv(rows, block_r), cdiv(width, block_c))
+    grid = (cdiv(rows, 16), cdiv(width, 256))
     assert scale is None or not two
     scale_t = None if scale is None else scale[1]
     args = (a1, accums[1] if two else a1, o1, outs[1] if two else o1, rows, width, o1.shape[-2] * dim,
             head_lo * dim, 1.0 if scale is None else float(scale[0]), a1 if scale_t is None else scale_t)
-    constexprs = dict(TWO=two, BLOCK_R=block_r, BLOCK_C=block_c, SCALED=scale is not None,
-                      SCALE_PTR=scale_t is not None)
-    _flush_dq_kernel[grid](*args, **constexprs, num_warps=4)
+    _flush_launcher(two, scale is not None, scale_t is not None)(grid, *args)
     return True
 
 
+@functools.lru_cache(maxsize=8)
+def _flush_launcher(two: bool, scaled: bool, scale_ptr: bool):
+    return launcher(_flush_dq_kernel, 4, None, TWO=two, BLOCK_R=16, BLOCK_C=256, SCALED=scaled, SCALE_PTR=scale_ptr)
 
 
-_PLANS = PlanCache()
+
+
+_PLANS = LRUCache(64)
 
 
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, both: bool,
@@ -220,14 +224,14 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     dq1 = torch.empty_like(q1) if both else None
     outs = (dq2, dq1) if both else (dq2,)
     key = (problem.key, both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, g_one, chunks)
-    plans = _PLANS.get(key, lambda: (problem, [
+    plans = _PLANS.get_or_make(key, lambda: (problem, [
         plan(problem, lse1, g, accum2, dk2, schedule, g_scale is None, chunk * per_chunk, per_chunk, both, g_one)
         for chunk in range(chunks)]))[1]
     # every chunk: the same tensors (the accumulators flushed and zeroed between them)
     args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None)
-    for chunk, (grid, fixed, kinds) in enumerate(plans):
+    for chunk, (grid, run) in enumerate(plans):
         lo = chunk * per_chunk
-        _kl_bwd_gluon_kernel[grid](*args, *(lse1 if t is None else t for t in fixed), **kinds, num_warps=4)
+        run(grid, *args)
         if not flush_dq(accums, outs, lo, dq_scale):
             for out, accum in zip(outs, accums):  # (not contiguous: as flush_dq would)
                 if dq_scale is not None:

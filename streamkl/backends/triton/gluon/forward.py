@@ -44,6 +44,7 @@ from streamkl.backends.triton.common import (
     window_bounds,
 )
 from streamkl.backends.triton.gluon.common import _listed_allowed, _load_then_stream, flat_descriptor
+from streamkl.backends.triton.launch import Bound, launcher
 from streamkl.problem import Problem
 
 BLOCK_M = 128  # query rows a program: two consumer warpgroups of 64
@@ -389,9 +390,7 @@ class Plan(NamedTuple):
     """What a launch takes that the call's tensors do not change."""
 
     grid: tuple
-    constexprs: dict
-    tensors: tuple  # cu_seqlens and the schedule's lists; None: a placeholder (the call's kl_rows)
-    scalars: tuple
+    run: Bound  # the kernel with every argument after the call's tensors fixed
 
 
 def plan(problem: Problem, schedule=None) -> Plan:
@@ -419,18 +418,19 @@ def plan(problem: Problem, schedule=None) -> Plan:
     constexprs = dict(D1=problem.dim1, D2=problem.dim2, BLOCK_N=BLOCK_N, STAGES=stages(max(problem.dim1, problem.dim2)),
                       CAUSAL=problem.causal, VARLEN=varlen, TAIL=varlen or problem.seqlen_k % BLOCK_N != 0,
                       LISTED=is_listed)
-    return Plan((q_programs * problem.batch * problem.heads,), constexprs, (*cu, *lists), scalars)
+    unused = torch.empty(1, dtype=torch.int32, device=problem.device)  # the pointers no branch reads
+    tensors = tuple(unused if t is None else t for t in (*cu, *lists))
+    run = launcher(_kl_fwd_gluon_kernel, 4, None, **constexprs).bind((*tensors, *scalars))
+    return Plan((q_programs * problem.batch * problem.heads,), run)
 
 
 def kl_forward(problem: Problem, launch_plan: Plan, q1, k1, q2, k2):
     """(kl_rows, lse1, lse2, expect) through the Gluon kernel (`select.py` decided it serves)."""
     kl_rows, lse1, lse2, expect = new_outputs(problem)
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
-    grid, constexprs, tensors, scalars = launch_plan
     descs = (flat_descriptor(q1, BLOCK_M), flat_descriptor(k1, BLOCK_N), flat_descriptor(q2, BLOCK_M),
              flat_descriptor(k2, BLOCK_N))
-    _kl_fwd_gluon_kernel[grid](*descs, kl_rows, lse1, lse2, expect, *(kl_rows if t is None else t for t in tensors),
-                               *scalars, **constexprs, num_warps=4)
+    launch_plan.run(launch_plan.grid, *descs, kl_rows, lse1, lse2, expect)
     return kl_rows, lse1, lse2, expect
 
 

@@ -1,0 +1,85 @@
+"""The Triton launcher (streamkl/backends/triton/launch.py): a compiled kernel is reused only for
+arguments Triton would specialize alike, so no launch ever runs a kernel compiled for other ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_inputs, rel_l2
+
+import streamkl
+from streamkl.backends.triton.launch import Launcher, specialization
+from streamkl.reference import reference_kl
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+
+def test_specialization_tells_apart_what_triton_specializes_on():
+    base = torch.zeros(64)
+    aligned, unaligned = base[:32], base[1:33]  # 16-byte aligned and not
+    assert specialization((aligned,)) != specialization((unaligned,))
+    assert specialization((aligned,)) != specialization((aligned.half(),))  # dtype
+    assert specialization((1,)) != specialization((2,))  # == 1 becomes a constant
+    assert specialization((32,)) != specialization((33,))  # divisible by 16
+    assert specialization((17,)) == specialization((33,))  # neither: one compiled kernel serves both
+    assert specialization((2**31 + 1,)) != specialization((17,))  # 64-bit
+    assert specialization((True,)) != specialization((1,))
+    assert specialization((None,)) == specialization((None,))
+    assert specialization((0.5,)) == specialization((2.0,))
+
+
+def test_specialization_of_descriptors():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.zeros(64, 32, dtype=torch.float16)
+    a = TensorDescriptor(t, [64, 32], [32, 1], [16, 32])
+    b = TensorDescriptor(t, [64, 32], [32, 1], [32, 32])  # another box
+    c = TensorDescriptor(t[:48], [48, 32], [32, 1], [16, 32])  # another shape
+    assert specialization((a,)) != specialization((b,))
+    assert specialization((a,)) != specialization((c,))
+    assert specialization((a,)) == specialization((TensorDescriptor(t.clone(), [64, 32], [32, 1], [16, 32]),))
+
+
+@triton.jit
+def _axpy(X, Y, n, alpha, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(Y + o, tl.load(X + o, mask=m) * alpha, mask=m)
+
+
+def test_launcher_places_constexprs_and_runs():
+    if not torch.cuda.is_available():
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs a GPU or the interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run = Launcher(_axpy, dict(BLOCK=64), num_warps=4)
+    with pytest.raises(TypeError, match="NOPE"):
+        Launcher(_axpy, dict(NOPE=1), num_warps=4)
+    for n in (100, 1, 64, 37):  # 1 and 64 are other specializations than 100 and 37
+        x = torch.randn(n, device=device)
+        y = torch.empty(n, device=device)
+        run((triton.cdiv(n, 64),), x, y, n, 3.0)
+        torch.testing.assert_close(y, 3.0 * x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_alternating_alignment_and_lengths_on_the_gpu():
+    """The same problem shape from aligned and misaligned storage, alternately: every call agrees
+    with the reference (a kernel compiled for aligned pointers must not serve misaligned ones)."""
+    q1, k1, q2, k2 = make_inputs((1, 200), (1, 200), 2, (2, 2), (64, 64), torch.bfloat16, "cuda",
+                                 requires_grad=(False,) * 4)
+    ref = reference_kl(q1, k1, q2, k2, causal=True)[0].float()
+    for _ in range(2):
+        for shift in (0, 1):
+            moved = []
+            for t in (q1, k1, q2, k2):
+                storage = torch.empty(t.numel() + shift, device="cuda", dtype=t.dtype)
+                view = storage[shift:].view(t.shape)
+                view.copy_(t)
+                moved.append(view)
+            out = streamkl.kl(*moved, causal=True, reduction="none", backend="triton")
+            assert rel_l2(out, ref) < 1e-2, shift
