@@ -386,15 +386,12 @@ def nonempty_row_count(problem: IndexerProblem, topk_indices: torch.Tensor | Non
 
 
 def new_outputs(problem: IndexerProblem):
-    """Uninitialized (loss_rows, head_lse, index_lse) float32; NaN-filled while the tests poison
-    outputs (`base.POISON_OUTPUTS`), so that a row a backend never writes fails. head_lse is None
-    when the caller gave `lse`."""
-    if base.POISON_OUTPUTS:
-        make = lambda shape: torch.full(shape, float("nan"), dtype=torch.float32, device=problem.device)  # noqa: E731
-    else:
-        make = lambda shape: torch.empty(shape, dtype=torch.float32, device=problem.device)  # noqa: E731
-    head_lse = None if problem.lse_given else make(problem.lse_shape)
-    return make(problem.row_shape), head_lse, make(problem.row_shape)
+    """Uninitialized (loss_rows, head_lse, index_lse) float32 (`base.new_float32`: NaN-filled under
+    `base.poison_outputs()`, so that a row a backend never writes shows). head_lse is None when the
+    caller gave `lse`."""
+    head_lse = None if problem.lse_given else base.new_float32(problem.lse_shape, problem.device)
+    return base.new_float32(problem.row_shape, problem.device), head_lse, base.new_float32(problem.row_shape,
+                                                                                            problem.device)
 
 
 # ------------------------------------------------------------------------------ backends

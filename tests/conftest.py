@@ -44,7 +44,7 @@ def backend(request):
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
-    monkeypatch.setattr(base, "POISON_OUTPUTS", True)
+    monkeypatch.setenv(base.POISON_ENV, "1")  # fresh outputs start as NaN: a row never written fails
     yield
 
 

@@ -15,6 +15,7 @@ Every backend walks the same `TileSchedule` and returns the same tensors:
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 import torch
@@ -78,20 +79,32 @@ def lse_view(problem: Problem, t: torch.Tensor, seq: int, start: int, length: in
     return t[:, start : start + length] if problem.is_varlen else t[seq, :, start : start + length]
 
 
-#: The tests set this so that fresh outputs start as NaN: a row a backend never writes then fails.
-POISON_OUTPUTS = False
+#: Set to "1", fresh outputs start as NaN, so a row a backend never writes shows as NaN: a debugging
+#: aid for backend authors (docs/backends.md); the tests set it.
+POISON_ENV = "STREAMKL_POISON_OUTPUTS"
+
+
+def poison_outputs() -> bool:
+    """Whether fresh outputs start as NaN (`$STREAMKL_POISON_OUTPUTS` is "1"), read at each call."""
+    return os.environ.get(POISON_ENV) == "1"
+
+
+def new_float32(shape, device) -> torch.Tensor:
+    """An output buffer the kernels write in full: uninitialized, or NaN under `poison_outputs()`."""
+    if poison_outputs():
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def new_outputs(problem: Problem):
-    """Uninitialized (kl_rows, lse1, lse2, expect), float32; NaN-filled when POISON_OUTPUTS.
+    """Uninitialized (kl_rows, lse1, lse2, expect), float32; NaN-filled under `poison_outputs()`.
 
     Backends must write every row, including rows no tile visits and varlen rows past
     cu_seqlens[-1] (see `tail_rows`)."""
-    make = (
-        (lambda shape: torch.full(shape, float("nan"), dtype=torch.float32, device=problem.device))
-        if POISON_OUTPUTS
-        else (lambda shape: torch.empty(shape, dtype=torch.float32, device=problem.device))
-    )
+    if poison_outputs():
+        make = lambda shape: torch.full(shape, float("nan"), dtype=torch.float32, device=problem.device)  # noqa: E731
+    else:
+        make = lambda shape: torch.empty(shape, dtype=torch.float32, device=problem.device)  # noqa: E731
     return make(problem.row_shape), make(problem.lse_shape), make(problem.lse_shape), make(problem.lse_shape)
 
 
