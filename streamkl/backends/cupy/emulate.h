@@ -40,6 +40,11 @@ void emu_cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void emu_cp_async_commit();
 void emu_cp_async_wait(int pending);
 
+static inline unsigned __float_as_uint(float value) {
+    unsigned bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    return bits;
+}
 static inline float __uint_as_float(unsigned bits) {
     float value;
     std::memcpy(&value, &bits, sizeof value);

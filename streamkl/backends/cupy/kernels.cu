@@ -66,6 +66,7 @@ struct KLParams {
     sk_u64 cu_q, cu_k;
     sk_u64 sched_count, sched_index, sched_partial;
     sk_u64 mask1, mask2;
+    sk_u64 grad_max;  // tensor-core backward: float32 max |grad_rows| (its dS scale, backward_mma.cuh)
     // strides in elements: inputs (batch, token, head), batch stride 0 for packed sequences
     long long q1_b, q1_n, q1_h;
     long long k1_b, k1_n, k1_h;
@@ -668,4 +669,5 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_backward_dk(const KL
 
 #if STREAMKL_INPUT != 0
 #include "forward_mma.cuh"
+#include "backward_mma.cuh"
 #endif
