@@ -225,22 +225,26 @@ def _functions(input_code: int, device_index: int):
 
 
 @functools.cache
-def _mma_function(input_code: int, variant: MmaForward | MmaBackward, device_index: int):
-    """The tensor-core kernel `variant` for one input dtype on one device, compiled once (NVRTC)."""
+def _mma_functions(input_code: int, variants: tuple[MmaForward | MmaBackward, ...], device_index: int):
+    """The tensor-core kernels `variants` for one input dtype on one device, compiled together
+    (one NVRTC run) and once: {name: function}."""
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(
             code=source_text(),
             options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"),
-            name_expressions=[variant.name],
+            name_expressions=[variant.name for variant in variants],
         )
-        try:
-            function = module.get_function(variant.name)
-        except Exception as exc:
-            raise RuntimeError(f"streamkl cupy backend: compiling {variant.name} failed: {exc}") from exc
-        function.max_dynamic_shared_size_bytes = variant.shared_bytes
-    return function
+        functions = {}
+        for variant in variants:
+            try:
+                function = module.get_function(variant.name)
+            except Exception as exc:
+                raise RuntimeError(f"streamkl cupy backend: compiling {variant.name} failed: {exc}") from exc
+            function.max_dynamic_shared_size_bytes = variant.shared_bytes
+            functions[variant.name] = function
+    return functions
 
 
 @functools.cache
@@ -256,8 +260,9 @@ def shared_memory_limit(device: torch.device) -> int:
 
 
 def _launch(kernel: str | MmaForward | MmaBackward, tiles: int, pairs: int, params: np.ndarray,
-            problem: Problem) -> None:
-    """One launch of `kernel`: a name of KERNELS (the FMA kernels) or a tensor-core variant."""
+            problem: Problem, together: tuple[MmaForward | MmaBackward, ...] = ()) -> None:
+    """One launch of `kernel`: a name of KERNELS (the FMA kernels) or a tensor-core variant, compiled
+    with the variants `together` (the other launches of the same call: one NVRTC run)."""
     if tiles <= 0 or pairs <= 0:  # CuPy would round an empty grid up to one block
         return
     grid_y = min(pairs, MAX_GRID_Y)
@@ -280,7 +285,10 @@ def _launch(kernel: str | MmaForward | MmaBackward, tiles: int, pairs: int, para
 
     device = problem.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    function = _mma_function(code, kernel, index) if mma else _functions(code, index)[kernel]
+    if mma:
+        function = _mma_functions(code, together or (kernel,), index)[kernel.name]
+    else:
+        function = _functions(code, index)[kernel]
     stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, index)
     with cupy.cuda.Device(index):
         function(grid, (threads,), (params,), shared_mem=smem, stream=stream)
@@ -527,11 +535,12 @@ def _backward_fma(problem: Problem, record: np.ndarray, schedule: TileSchedule, 
 
 
 def _backward_mma(problem: Problem, record: np.ndarray, schedule: TileSchedule, variants: list[MmaBackward]) -> None:
-    tile = MmaBackward.tile
+    tile, together = MmaBackward.tile, tuple(variants)
     for variant in variants:
         if variant.kernel == "dq":
             query = _query_launch(problem, record, schedule, variant.side1, variant.side2)
-            _launch(variant, math.ceil(problem.seqlen_q / tile), int(query["batch_heads"][0]), query, problem)
+            _launch(variant, math.ceil(problem.seqlen_q / tile), int(query["batch_heads"][0]), query, problem,
+                    together)
         else:
             key = _key_launch(problem, record, schedule, variant.side1, variant.side2)
-            _launch(variant, math.ceil(problem.seqlen_k / tile), int(key["batch_heads"][0]), key, problem)
+            _launch(variant, math.ceil(problem.seqlen_k / tile), int(key["batch_heads"][0]), key, problem, together)
