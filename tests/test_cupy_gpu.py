@@ -52,6 +52,8 @@ MMA_BACKWARD = [
     *(MmaBackward(kernel, 128, 128, 2, side1, side2)
       for kernel in ("dq", "dk") for side1, side2 in ((1, 0), (0, 1), (1, 1))),
     MmaBackward("dq", 256, 256, 1, 1, 0), MmaBackward("dk", 256, 256, 1, 0, 1), MmaBackward("dk", 16, 48, 2, 1, 1),
+    MmaBackward("dk", 128, 128, 2, 0, 1, 1), MmaBackward("dk", 64, 64, 2, 1, 1, 1),
+    MmaBackward("dk", 16, 48, 2, 1, 1, 1), MmaBackward("dk", 128, 80, 2, 1, 0, 1),
 ]
 
 
@@ -115,25 +117,31 @@ def test_forward_variant_follows_the_problem(dtype, dims, expected):
 
 
 @pytest.mark.parametrize(
-    "dtype,dims,heads_k,needs,expected",
+    "dtype,dims,heads_k,needs,deterministic,expected",
     [
-        (torch.float32, (128, 128), (2, 2), (1, 1, 1, 1), None),
-        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), ["dq<128, 128, 2, 0, 1>", "dk<128, 128, 2, 0, 1>"]),
-        (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), ["dq<128, 128, 2, 1, 1>", "dk<128, 128, 2, 1, 1>"]),
-        (torch.float16, (64, 40), (2, 1), (1, 1, 1, 1),
-         ["dq<64, 48, 2, 1, 1>", "dk<64, 48, 2, 1, 0>", "dk<64, 48, 2, 0, 1>"]),
-        (torch.float16, (200, 130), (2, 2), (1, 0, 1, 1),
-         ["dq<208, 144, 1, 1, 0>", "dq<208, 144, 1, 0, 1>", "dk<208, 144, 1, 0, 1>"]),
-        (torch.bfloat16, (32, 32), (2, 2), (0, 1, 0, 0), ["dk<32, 32, 2, 1, 0>"]),
+        (torch.float32, (128, 128), (2, 2), (1, 1, 1, 1), False, None),
+        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), False, ["dk<128, 128, 2, 0, 1, 1>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), True, ["dq<128, 128, 2, 0, 1>", "dk<128, 128, 2, 0, 1, 0>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), False,
+         ["dk<128, 128, 2, 1, 0, 1>", "dk<128, 128, 2, 0, 1, 1>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), True, ["dq<128, 128, 2, 1, 1>", "dk<128, 128, 2, 1, 1, 0>"]),
+        (torch.bfloat16, (64, 64), (2, 2), (1, 1, 1, 1), False, ["dk<64, 64, 2, 1, 1, 1>"]),
+        (torch.float16, (64, 40), (2, 1), (1, 1, 1, 1), True,
+         ["dq<64, 48, 2, 1, 1>", "dk<64, 48, 2, 1, 0, 0>", "dk<64, 48, 2, 0, 1, 0>"]),
+        (torch.float16, (64, 40), (2, 1), (1, 0, 1, 1), False, ["dq<64, 48, 2, 1, 0>", "dk<64, 48, 2, 0, 1, 1>"]),
+        (torch.float16, (200, 130), (2, 2), (1, 0, 1, 1), False,
+         ["dq<208, 144, 1, 1, 0>", "dq<208, 144, 1, 0, 1>", "dk<208, 144, 1, 0, 1, 0>"]),
+        (torch.bfloat16, (32, 32), (2, 2), (0, 1, 0, 0), False, ["dk<32, 32, 2, 1, 0, 0>"]),
     ],
-    ids=["fp32-fma", "bf16-student", "bf16-all4", "fp16-gqa-differs", "fp16-wide", "bf16-k1-only"],
+    ids=["fp32-fma", "bf16-student", "bf16-student-det", "bf16-all4", "bf16-all4-det", "bf16-64-all4",
+         "fp16-gqa-differs-det", "fp16-gqa-differs", "fp16-wide", "bf16-k1-only"],
 )
-def test_backward_variants_follow_the_problem(dtype, dims, heads_k, needs, expected):
+def test_backward_variants_follow_the_problem(dtype, dims, heads_k, needs, deterministic, expected):
     from streamkl.problem import build_problem
 
     q1, q2 = torch.randn(1, 70, 2, dims[0]).to(dtype), torch.randn(1, 70, 2, dims[1]).to(dtype)
     k1, k2 = torch.randn(1, 50, heads_k[0], dims[0]).to(dtype), torch.randn(1, 50, heads_k[1], dims[1]).to(dtype)
-    variants = backward_variants(build_problem(q1, k1, q2, k2), needs)
+    variants = backward_variants(build_problem(q1, k1, q2, k2, deterministic=deterministic), needs)
     names = None if variants is None else [v.name.removeprefix("kl_backward_").replace("_mma", "") for v in variants]
     assert names == expected
 
@@ -142,8 +150,8 @@ def test_tensor_core_backward_fits_shared_memory():
     for dim1 in range(16, 257, 16):
         for dim2 in range(16, 257, 16):
             stages = 2 if dim1 + dim2 <= 256 else 1
-            for kernel in ("dq", "dk"):
-                need = MmaBackward(kernel, dim1, dim2, stages, 1, 1).shared_bytes
+            for kernel, atomic in (("dq", 0), ("dk", 0), ("dk", 1)):
+                need = MmaBackward(kernel, dim1, dim2, stages, 1, 1, atomic).shared_bytes
                 assert need <= 163 * 1024  # A100's opt-in limit
                 if stages == 2:  # two blocks per SM on Hopper
                     assert 2 * need <= 227 * 1024

@@ -2,7 +2,7 @@
 // forward_mma.cuh when STREAMKL_INPUT != 0): the SPEC's dS1 = g p (d - E), dS2 = g (q - p) on
 // 64 x 64 tiles of the schedule, every product on mma.sync with float32 accumulation.
 //
-// Two kernels, each owning its outputs (no atomics, so gradients are bitwise reproducible):
+// Two kernels, each owning its outputs (bitwise reproducible gradients), and a fused mode:
 // - kl_backward_dq_mma, query-major: a block owns 64 query rows of one (sequence, head), a warp
 //   16 of them, as the forward does. Per 32-key half of a key tile it recomputes s1, s2 (C
 //   fragments, rows x keys), turns them into dS in registers, and multiplies dS (its C fragments
@@ -12,6 +12,9 @@
 //   them, and walks the query tiles that visit its key tile (the transposed schedule) for each
 //   query head of the GQA group. Per 32-query half it computes s^T = K Q^T (keys x queries),
 //   dS^T, and dK += dS^T Q the same way: dk stays in registers.
+// - kl_backward_dk_mma with DQ_ATOMIC (deterministic=False): the key-major kernel also adds dS K to
+//   dq by float32 atomics (dS^T through shared memory, FlashAttention-2's structure), so each
+//   score pair is recomputed once instead of twice.
 // The tiles the other operand streams (key tiles for dq, query tiles and their row statistics for
 // dk) pass through a STAGES-deep cp.async ring, as in the forward.
 //
@@ -251,10 +254,57 @@ __global__ void __launch_bounds__(128) kl_backward_dq_mma(const KLParams p) {
                              p.dq2_n, acc2, valid, p.dim2, p.scale2 / factor, lane);
 }
 
+// dq rows of SUB queries += dS K by float32 atomics, from the key-major kernel: each warp puts its
+// dS^T C fragments (16 keys x SUB queries) into `buffer` ([TILE keys][SUB + 8], input_t), then warp
+// w multiplies queries 16 (w % 2) .. + 15 by every key of the tile for the 8-column groups
+// j = w / 2, w / 2 + 2, ...: A from the buffer by ldmatrix.x4.trans, B from K by ldmatrix.x2.trans.
+template <int DP, int NT>
+SK_DEVICE void atomic_dq(input_t* buffer, const float (&ds)[1][NT][4], const input_t* k_rows, float* dq,
+                         long long dq_stride, int valid_rows, int dim, float scale, int warp, int lane) {
+    constexpr int BS = SK_MMA_BWD_SUB + 8, ST = DP + 8, GROUPS = DP / 8, PER_WARP = (GROUPS + 1) / 2;
+    const int g = lane / 4, c = lane % 4;
+    __syncthreads();  // the buffer's previous contents are consumed
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<unsigned*>(buffer + (warp * 16 + g + 8 * h) * BS + 8 * n + 2 * c) =
+                sk_pack_floats(ds[0][n][2 * h], ds[0][n][2 * h + 1]);
+    __syncthreads();
+    const int m = warp % 2;
+    float acc[PER_WARP][4];
+#pragma unroll
+    for (int t = 0; t < PER_WARP; ++t)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[t][r] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < SK_MMA_BWD_TILE / 16; ++kk) {
+        unsigned a[4];  // matrices: (queries 0-7 | 8-15) x (keys 0-7 | 8-15), stored keys x queries
+        sk_ldmatrix_x4_trans(a, buffer + (kk * 16 + (lane / 16) * 8 + lane % 8) * BS + m * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+        for (int t = 0; t < PER_WARP; ++t) {
+            const int j = warp / 2 + 2 * t;
+            if (j < GROUPS) {
+                unsigned b[2];
+                sk_ldmatrix_x2_trans(b, k_rows + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * ST + 8 * j);
+                sk_mma_16816(acc[t], a, b);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < PER_WARP; ++t)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = m * 16 + g + 8 * (r / 2), col = 8 * (warp / 2 + 2 * t) + 2 * c + r % 2;
+            if (col < dim && row < valid_rows) atomicAdd(dq + row * dq_stride + col, scale * acc[t][r]);
+        }
+}
+
 // ---------------------------------------------------------------------------------- dk (key-major)
 // grid (key tiles, sequence * key head of the driving side), 128 threads. DK1, DK2: which of dk1,
 // dk2 this launch computes (both only when the two sides group their query heads alike).
-template <int D1P, int D2P, int STAGES, int DK1, int DK2>
+// DQ_ATOMIC: it also adds dq of those sides, by atomics (the non-deterministic mode).
+template <int D1P, int D2P, int STAGES, int DK1, int DK2, int DQ_ATOMIC>
 __global__ void __launch_bounds__(128) kl_backward_dk_mma(const KLParams p) {
     constexpr int THREADS = 128, TILE = SK_MMA_BWD_TILE, SUB = SK_MMA_BWD_SUB, NT = SUB / 8;
     constexpr int ST1 = D1P + 8, ST2 = D2P + 8;
@@ -266,6 +316,7 @@ __global__ void __launch_bounds__(128) kl_backward_dk_mma(const KLParams p) {
     input_t* k1s = reinterpret_cast<input_t*>(dk_smem);  // [TILE][ST1]
     input_t* k2s = k1s + TILE * ST1;                      // [TILE][ST2]
     input_t* ring = k2s + TILE * ST2;  // STAGES x ([TILE][ST1] q1, [TILE][ST2] q2, float [4][TILE] stats)
+    input_t* ds_buffer = ring + STAGES * STAGE;  // DQ_ATOMIC: [TILE keys][SUB + 8] dS^T
 
     const int pair = block_pair();
     if (pair >= p.batch_heads) return;
@@ -370,6 +421,20 @@ __global__ void __launch_bounds__(128) kl_backward_dk_mma(const KLParams p) {
                         fragments_to_a(a, s2[0][2 * kk], s2[0][2 * kk + 1]);
                         warp_accumulate<D2P>(acc2, a, q2s + (sub * SUB + 16 * kk) * ST2, lane);
                     }
+                }
+                if constexpr (DQ_ATOMIC) {
+                    const long long token = span.q_start + row0 + sub * SUB;
+                    const int valid_rows = span.len_q - (row0 + sub * SUB);
+                    if constexpr (DK1)
+                        atomic_dq<D1P, NT>(ds_buffer, s1, k1s,
+                                           reinterpret_cast<float*>(p.dq1) + seq * p.dq1_b + token * p.dq1_n +
+                                               head * p.dq1_h,
+                                           p.dq1_n, valid_rows, p.dim1, p.scale1 / factor, warp, lane);
+                    if constexpr (DK2)
+                        atomic_dq<D2P, NT>(ds_buffer, s2, k2s,
+                                           reinterpret_cast<float*>(p.dq2) + seq * p.dq2_b + token * p.dq2_n +
+                                               head * p.dq2_h,
+                                           p.dq2_n, valid_rows, p.dim2, p.scale2 / factor, warp, lane);
                 }
             }
         }

@@ -126,7 +126,8 @@ def forward_variant(problem: Problem) -> MmaForward | None:
 @dataclass(frozen=True)
 class MmaBackward:
     """Template arguments of kl_backward_dq_mma / kl_backward_dk_mma (backward_mma.cuh): which
-    kernel, head dims rounded up to 16, cp.async stages, and the sides whose gradient it computes."""
+    kernel, head dims rounded up to 16, cp.async stages, the sides whose gradients it computes and,
+    for dk, whether it also adds those sides' dq by atomics."""
 
     kernel: str  # "dq" (query-major) or "dk" (key-major)
     dim1: int
@@ -134,25 +135,31 @@ class MmaBackward:
     stages: int
     side1: int
     side2: int
+    atomic_dq: int = 0
 
     threads = 128
     tile = 64  # queries and keys of the schedule's tiles
+    sub = 32  # the other side's rows per score step (SK_MMA_BWD_SUB)
 
     @property
     def name(self) -> str:
-        return f"kl_backward_{self.kernel}_mma<{self.dim1}, {self.dim2}, {self.stages}, {self.side1}, {self.side2}>"
+        args = [self.dim1, self.dim2, self.stages, self.side1, self.side2]
+        if self.kernel == "dk":
+            args.append(self.atomic_dq)
+        return f"kl_backward_{self.kernel}_mma<{', '.join(map(str, args))}>"
 
     @property
     def shared_bytes(self) -> int:
         tile_bytes = self.tile * 2 * (self.dim1 + 8 + self.dim2 + 8)  # both sides' rows, padded
         if self.kernel == "dq":  # q1, q2, then a ring of k1, k2 tiles
             return tile_bytes * (1 + self.stages)
-        return tile_bytes + self.stages * (tile_bytes + 4 * 4 * self.tile)  # k1, k2; ring of q1, q2, stats
+        ds_buffer = self.atomic_dq * self.tile * 2 * (self.sub + 8)
+        return tile_bytes + self.stages * (tile_bytes + 4 * 4 * self.tile) + ds_buffer  # k; ring of q, stats
 
     @property
     def emulator_index(self) -> int:
-        """Kernel number in the emulator library (emulate.cpp): 4-6 dq, 7-9 dk."""
-        return 4 + 3 * (self.kernel == "dk") + self.side1 + 2 * self.side2 - 1
+        """Kernel number in the emulator library (emulate.cpp): 4-6 dq, 7-9 dk, 10-12 dk with dq."""
+        return 4 + 3 * (self.kernel == "dk") + 3 * self.atomic_dq + self.side1 + 2 * self.side2 - 1
 
 
 def backward_shape(problem: Problem) -> tuple[int, int, int]:
@@ -165,21 +172,31 @@ def backward_shape(problem: Problem) -> tuple[int, int, int]:
 
 def backward_variants(problem: Problem, needs) -> list[MmaBackward] | None:
     """The tensor-core backward launches serving `problem` for the gradients `needs` (dq1, dk1,
-    dq2, dk2), or None: float32 takes the FMA kernels. Both sides share a launch while their
-    accumulators fit the registers (D1P + D2P <= 256) and, for dk, their query heads group alike."""
+    dq2, dk2), or None: float32 takes the FMA kernels.
+
+    Unless `deterministic`, a side needing both gradients runs fused: the key-major kernel adds
+    its dq by atomics (one recomputation of the scores instead of two). Otherwise dq comes from the
+    query-major kernel, dk from the key-major one. Two sides share a launch while their
+    accumulators fit the registers (D1P + D2P <= 256; fused, <= 128 as dq's tile adds its own;
+    a side fuses only up to D = 128) and, for dk, their query heads group alike."""
     if problem.dtype == torch.float32:
         return None
     dim1, dim2, stages = backward_shape(problem)
-    narrow = dim1 + dim2 <= 256
     same_groups = problem.heads_k1 == problem.heads_k2
+    dq_sides = [side for side in (1, 2) if needs[2 * side - 2]]
+    dk_sides = [side for side in (1, 2) if needs[2 * side - 1]]
+    # fused: the side's dq tile (16 x D / 2 per warp) fits beside dk's accumulators up to D = 128
+    fitting = (dim1 <= 128, dim2 <= 128) if dim1 + dim2 <= 256 else (False, False)
+    fused = [] if problem.deterministic else [s for s in dq_sides if s in dk_sides and fitting[s - 1]]
     launches = []
-    for kernel, need1, need2, shared in (("dq", needs[0], needs[2], narrow), ("dk", needs[1], needs[3],
-                                                                              narrow and same_groups)):
-        if need1 and need2 and shared:
-            launches.append(MmaBackward(kernel, dim1, dim2, stages, 1, 1))
-        else:
-            launches += [MmaBackward(kernel, dim1, dim2, stages, int(side == 1), int(side == 2))
-                         for side, need in ((1, need1), (2, need2)) if need]
+    for kernel, sides, atomic, pair in (
+        ("dq", [s for s in dq_sides if s not in fused], 0, dim1 + dim2 <= 256),
+        ("dk", [s for s in dk_sides if s not in fused], 0, dim1 + dim2 <= 256 and same_groups),
+        ("dk", fused, 1, dim1 + dim2 <= 128 and same_groups),
+    ):
+        groups = [sides] if len(sides) == 2 and pair else [[side] for side in sides]
+        launches += [MmaBackward(kernel, dim1, dim2, stages, int(1 in group), int(2 in group), atomic)
+                     for group in groups]
     return launches
 
 
