@@ -352,18 +352,21 @@ def test_block_masks_varlen_half():
 
 # ---------------------------------------------------------------------------------- contract details
 @needs_backend
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
-def test_gradients_are_bitwise_reproducible(deterministic):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_deterministic_gradients_are_bitwise_reproducible(dtype):
+    """deterministic=True: no atomics (half inputs take the query-major dq kernel); the default
+    mode's atomic dq may differ in the last bits between runs, and matches within rounding."""
     case = Case(2, 130, 140, 4, (2, 1), (80, 24), causal=True, window=(50, -1))
-    inputs = case.inputs(torch.float16)
+    inputs = case.inputs(dtype)
     grads = []
-    for _ in range(2):
+    for deterministic in (True, True, False):
         for t in inputs:
             t.grad = None
         streamkl.kl(*inputs, deterministic=deterministic, backend="cupy", causal=True, window=(50, -1)).backward()
         grads.append([t.grad.clone() for t in inputs])
-    for a, b in zip(*grads):
+    for a, b, default in zip(*grads):
         assert torch.equal(a, b)
+        assert rel_l2(default.float(), a.float()) <= 1e-2
 
 
 @needs_backend
