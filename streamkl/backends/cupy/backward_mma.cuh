@@ -79,8 +79,8 @@ SK_DEVICE RowStats mma_row_stats(const KLParams& p, int seq, int head, long long
 // as dS1, dS2 (times the gradient factor), as tile_dscores computes them.
 SK_DEVICE void mma_dscores(float& x1, float& x2, bool allowed1, bool allowed2, const RowStats& row, float scale1,
                            float scale2) {
-    const float prob1 = allowed1 ? exp2f(x1 * (scale1 * SK_LOG2E) - row.lse1) : 0.0f;
-    const float prob2 = allowed2 ? exp2f(x2 * (scale2 * SK_LOG2E) - row.lse2) : 0.0f;
+    const float prob1 = allowed1 ? sk_exp2(x1 * (scale1 * SK_LOG2E) - row.lse1) : 0.0f;
+    const float prob2 = allowed2 ? sk_exp2(x2 * (scale2 * SK_LOG2E) - row.lse2) : 0.0f;
     const float diff = (allowed1 && allowed2) ? x1 * scale1 - x2 * scale2 : 0.0f;
     x1 = row.g * prob1 * (diff - row.expect);
     x2 = allowed2 ? row.g * (prob2 - prob1) : 0.0f;

@@ -118,7 +118,7 @@ def forward_variant(problem: Problem) -> MmaForward | None:
         return None
     dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
     # two 16-row blocks per warp share every key fragment (half the shared-memory reads) while the
-    # score tiles fit the registers without spilling (166 at 128 + 128, nvcc -Xptxas -v) and two
+    # score tiles fit the registers without spilling (168 at 128 + 128, nvcc -Xptxas -v) and two
     # blocks fit an SM; wider heads keep one block per warp, in half the shared memory
     return MmaForward(dim1, dim2, block_k=32, m_tiles=2 if dim1 + dim2 <= 256 else 1)
 

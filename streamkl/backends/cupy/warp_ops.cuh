@@ -1,6 +1,6 @@
 // Warp-level primitives of the tensor-core kernels: ldmatrix, mma.sync m16n8k16 (float32
-// accumulation), float32 -> half pair conversion (cvt.rn), cp.async with commit / wait groups, and
-// a butterfly shuffle.
+// accumulation), float32 -> half pair conversion (cvt.rn), cp.async with commit / wait groups, a
+// butterfly shuffle, and exp2 flushing subnormal results to zero (ex2.approx.ftz).
 //
 // On the GPU each is one PTX instruction. Under the host emulator (STREAMKL_EMULATE) each is an
 // exact model of the PTX ISA's fragment layouts: every lane deposits its operands in a per-warp
@@ -111,6 +111,12 @@ SK_DEVICE void sk_cp_async_wait() {
     emu_cp_async_wait(PENDING);
 }
 
+// 2^x with results below 2^-126 flushed to zero (the single instruction ex2.approx.ftz)
+SK_DEVICE float sk_exp2(float x) {
+    const float result = exp2f(x);
+    return result < 1.17549435e-38f ? 0.0f : result;
+}
+
 SK_DEVICE float sk_shfl_xor(float value, int mask) {
     sk_u64* slot = sk_exchange();
     const int lane = sk_lane();
@@ -192,4 +198,11 @@ SK_DEVICE void sk_cp_async_wait() {
 }
 
 SK_DEVICE float sk_shfl_xor(float value, int mask) { return __shfl_xor_sync(0xffffffffu, value, mask); }
+
+// 2^x with results below 2^-126 flushed to zero: one MUFU.EX2 (exp2f adds subnormal fix-ups)
+SK_DEVICE float sk_exp2(float x) {
+    float result;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(result) : "f"(x));
+    return result;
+}
 #endif
