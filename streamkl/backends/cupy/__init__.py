@@ -4,8 +4,10 @@ on torch's current stream with torch tensors passed by address (no copies).
 - forward: one block per (query tile, sequence * head), the SPEC's five running statistics; on
   tensor cores (mma.sync, FlashAttention-2 structure) for float16 / bfloat16, exact float32 FMAs
   for float32 (`launch.forward_variant` decides);
-- backward: a q-major dq kernel and a key-major dk kernel over the transposed schedule, each
-  owning its outputs, so gradients are bitwise reproducible whether or not `deterministic`.
+- backward: a query-major dq kernel and a key-major dk kernel over the transposed schedule, each
+  owning its outputs; for float16 / bfloat16 on tensor cores, where unless `deterministic` the
+  key-major kernel also adds dq by atomics (`launch.backward_variants` decides). float32 takes
+  FMA kernels, bitwise reproducible in every mode.
 
 With STREAMKL_CUPY_EMULATE=1 the same kernels run on CPU tensors through a host emulator (see
 emulate.py): for tests without a GPU.
@@ -65,6 +67,8 @@ class CupyBackend(Backend):
             variant = launch.forward_variant(problem)
             if variant is not None:
                 need = max(need, variant.shared_bytes)
+            for backward in launch.backward_variants(problem, (True,) * 4) or ():
+                need = max(need, backward.shared_bytes)
             limit = launch.shared_memory_limit(problem.device)
             if need > limit:
                 reasons.append(

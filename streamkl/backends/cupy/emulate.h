@@ -3,6 +3,7 @@
 // the warp-level primitives of warp_ops.cuh meet at a per-warp barrier over a per-warp scratch.
 // For tests without a GPU (STREAMKL_CUPY_EMULATE=1); never used on the GPU path.
 #pragma once
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -40,6 +41,12 @@ void emu_cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void emu_cp_async_commit();
 void emu_cp_async_wait(int pending);
 
+static inline float atomicAdd(float* address, float value) { return std::atomic_ref<float>(*address).fetch_add(value); }
+static inline unsigned __float_as_uint(float value) {
+    unsigned bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    return bits;
+}
 static inline float __uint_as_float(unsigned bits) {
     float value;
     std::memcpy(&value, &bits, sizeof value);

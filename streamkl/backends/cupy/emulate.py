@@ -21,7 +21,7 @@ import numpy as np
 
 ENV_VAR = "STREAMKL_CUPY_EMULATE"
 _HERE = Path(__file__).parent
-_SOURCES = ("kernels.cu", "forward_mma.cuh", "warp_ops.cuh", "emulate.h", "emulate.cpp")
+_SOURCES = ("kernels.cu", "forward_mma.cuh", "backward_mma.cuh", "warp_ops.cuh", "emulate.h", "emulate.cpp")
 
 
 def emulating() -> bool:
@@ -42,13 +42,15 @@ def reasons() -> list[str]:
 
 
 @functools.cache
-def _library(input_code: int, variant: tuple[int, ...] | None = None) -> ctypes.CDLL:
+def _library(input_code: int, variant: tuple[int, ...] | None = None,
+             backward: tuple[int, ...] | None = None) -> ctypes.CDLL:
     """The kernels for one input dtype; with `variant`, also the tensor-core forward
-    kl_forward_mma<variant> (launched as kernel 3)."""
+    kl_forward_mma<variant> (launched as kernel 3); with `backward` (D1P, D2P, STAGES), the
+    tensor-core backward kernels of those head dims (kernels 4-9)."""
     digest = hashlib.sha256()
     for name in _SOURCES:
         digest.update((_HERE / name).read_bytes())
-    digest.update(f"{input_code}/{variant}".encode())
+    digest.update(f"{input_code}/{variant}/{backward}".encode())
     cache = Path(tempfile.gettempdir()) / "streamkl-cupy-emulate"
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"kernels-{digest.hexdigest()[:16]}-{input_code}.so"
@@ -65,6 +67,7 @@ def _library(input_code: int, variant: tuple[int, ...] | None = None) -> ctypes.
             "-Wno-unknown-pragmas",
             f"-DSTREAMKL_INPUT={input_code}",
             *([f"-DSK_MMA_VARIANT={','.join(map(str, variant))}"] if variant else []),
+            *([f"-DSK_MMA_BACKWARD={','.join(map(str, backward))}"] if backward else []),
             str(_HERE / "emulate.cpp"),
             "-o",
             str(partial),
@@ -85,10 +88,12 @@ def launch(
     params: np.ndarray,
     code: int,
     variant: tuple[int, ...] | None = None,
+    backward: tuple[int, ...] | None = None,
 ) -> None:
     """Run one launch to completion on CPU threads; `params` is the one-element KLParams record,
-    `variant` the template arguments of kernel 3 (the tensor-core forward)."""
-    library = _library(code, variant)
+    `variant` the template arguments of kernel 3 (the tensor-core forward), `backward` the head
+    dims and stages of kernels 4-9 (the tensor-core backward)."""
+    library = _library(code, variant, backward)
     if library.emu_params_size() != params.dtype.itemsize:
         raise RuntimeError("KLParams layout differs between kernels.cu and launch.py")
     record = np.ascontiguousarray(params)

@@ -20,6 +20,11 @@
 #define SK_LOG2E 1.4426950408889634f
 #define SK_LN2 0.6931471805599453f
 
+template <bool VALUE>
+struct SkBool {  // a compile-time flag for generic lambdas (no <type_traits> under NVRTC)
+    static constexpr bool value = VALUE;
+};
+
 // Rows [0, ROWS) and columns [0, DP) of a tile into shared memory (row stride DP + 8), zero at or
 // past `valid` rows and `dim` columns. vector: 16-byte cp.async chunks (the host checked that
 // every row starts 16-byte aligned and dim % 8 == 0); otherwise element by element.
@@ -40,33 +45,45 @@ SK_DEVICE void load_tile(input_t* dst, const input_t* src, long long row_stride,
     }
 }
 
-// s[m][n] = rows 16m..16m+15 of this warp times keys 8n..8n+7 (raw products, float32), C fragments
+// s[m][n] += (A fragments a[m]: 16 rows) times keys 8n..8n+7 of `k_rows` (raw products, float32)
 template <int DP, int MT, int NT>
-SK_DEVICE void warp_scores(float (&s)[MT][NT][4], const input_t* q_rows, const input_t* k_rows, int lane) {
+SK_DEVICE void warp_scores_kk(float (&s)[MT][NT][4], const unsigned (&a)[MT][4], const input_t* k_rows, int kk,
+                              int lane) {
     constexpr int ST = DP + 8;
+#pragma unroll
+    for (int nn = 0; nn < NT / 2; ++nn) {
+        unsigned b[4];  // keys 16nn + lane % 8 (+8 for lanes 16-31), columns +8 for lanes 8-15, 24-31
+        sk_ldmatrix_x4(b, k_rows + (nn * 16 + (lane % 8) + (lane / 16) * 8) * ST + kk * 16 + ((lane / 8) % 2) * 8);
+        const unsigned low[2] = {b[0], b[1]}, high[2] = {b[2], b[3]};
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            sk_mma_16816(s[m][2 * nn], a[m], low);
+            sk_mma_16816(s[m][2 * nn + 1], a[m], high);
+        }
+    }
+}
+
+template <int MT, int NT>
+SK_DEVICE void zero_scores(float (&s)[MT][NT][4]) {
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int r = 0; r < 4; ++r) s[m][n][r] = 0.0f;
+}
+
+// s[m][n] = rows 16m..16m+15 of `q_rows` times keys 8n..8n+7 (raw products, float32), C fragments
+template <int DP, int MT, int NT>
+SK_DEVICE void warp_scores(float (&s)[MT][NT][4], const input_t* q_rows, const input_t* k_rows, int lane) {
+    zero_scores(s);
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
-        unsigned a[MT][4];  // rows lane % 16, columns 8 * (lane / 16): (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+        unsigned a[MT][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m)
-            sk_ldmatrix_x4(a[m], q_rows + (16 * m + lane % 16) * ST + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-        for (int nn = 0; nn < NT / 2; ++nn) {
-            unsigned b[4];  // keys 16nn + lane % 8 (+8 for lanes 16-31), columns +8 for lanes 8-15, 24-31
-            sk_ldmatrix_x4(b, k_rows + (nn * 16 + (lane % 8) + (lane / 16) * 8) * ST + kk * 16 + ((lane / 8) % 2) * 8);
-            const unsigned low[2] = {b[0], b[1]}, high[2] = {b[2], b[3]};
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                sk_mma_16816(s[m][2 * nn], a[m], low);
-                sk_mma_16816(s[m][2 * nn + 1], a[m], high);
-            }
-        }
+            sk_ldmatrix_x4(a[m], q_rows + (16 * m + lane % 16) * (DP + 8) + kk * 16 + (lane / 16) * 8);
+        warp_scores_kk<DP, MT, NT>(s, a, k_rows, kk, lane);
     }
 }
 
@@ -180,13 +197,7 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
         warp_scores<D1P, M_TILES, NT>(s1, q1s + warp * WARP_ROWS * ST1, k1s, lane);
         warp_scores<D2P, M_TILES, NT>(s2, q2s + warp * WARP_ROWS * ST2, k1s + BLOCK_K * ST1, lane);
 
-        // bit 2n + (r % 2) of both[h]: key 8n + 2c + (r % 2) is allowed on both sides for row h,
-        // where d = s1 - s2 counts (0 elsewhere)
-        unsigned both[ROWS];
-        const bool partial = kv_partial[visit] != 0;
         const int key0 = kv_index[visit] * BLOCK_K;
-#pragma unroll
-        for (int h = 0; h < ROWS; ++h) both[h] = 0xffffffffu;
 #pragma unroll
         for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
@@ -196,60 +207,76 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
                     s1[m][n][r] *= log2_scale1;
                     s2[m][n][r] *= log2_scale2;
                 }
-        if (partial) {
+        // the statistics update, compiled twice: full tiles (every key allowed on both sides, no
+        // element tests) and partial ones
+        auto update = [&](auto partial_tile) {
+            constexpr bool PARTIAL = decltype(partial_tile)::value;
+            // bit 2n + (r % 2) of both[h]: key 8n + 2c + (r % 2) is allowed on both sides for row
+            // h, where d = s1 - s2 counts (0 elsewhere)
+            unsigned both[ROWS];
 #pragma unroll
-            for (int m = 0; m < M_TILES; ++m)
+            for (int h = 0; h < ROWS; ++h) {
+                both[h] = 0xffffffffu;
+                if (!PARTIAL) seen1[h] = true;
+            }
+            if constexpr (PARTIAL) {
+#pragma unroll
+                for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const int h = 2 * m + r / 2;
+                            bool allowed1, allowed2;
+                            element_allowed(p, masks, warp_row0 + 8 * h, key0 + 8 * n + 2 * c + (r % 2), span.len_q,
+                                            span.len_k, allowed1, allowed2);
+                            if (!allowed1) s1[m][n][r] = neg_inf;
+                            if (!allowed2) s2[m][n][r] = neg_inf;
+                            if (!(allowed1 && allowed2)) both[h] &= ~(1u << (2 * n + r % 2));
+                            uncovered[h] = uncovered[h] || (allowed1 && !allowed2);
+                            seen1[h] = seen1[h] || allowed1;
+                        }
+            }
+#pragma unroll
+            for (int h = 0; h < ROWS; ++h) {
+                const int m = h / 2, r0 = 2 * (h % 2);
+                float max1 = neg_inf, max2 = neg_inf;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    max1 = fmaxf(max1, fmaxf(s1[m][n][r0], s1[m][n][r0 + 1]));
+                    max2 = fmaxf(max2, fmaxf(s2[m][n][r0], s2[m][n][r0 + 1]));
+                }
+                const float m1_new = fmaxf(m1[h], quad_max(max1));
+                const float m2_new = fmaxf(m2[h], quad_max(max2));
+                // a row with no key yet keeps max -inf: shift by 0 so that no inf - inf appears
+                const float shift1 = m1_new == neg_inf ? 0.0f : m1_new;
+                const float shift2 = m2_new == neg_inf ? 0.0f : m2_new;
+                float sum1 = 0.0f, sum_diff = 0.0f, sum2 = 0.0f;
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int h = 2 * m + r / 2;
-                        bool allowed1, allowed2;
-                        element_allowed(p, masks, warp_row0 + 8 * h, key0 + 8 * n + 2 * c + (r % 2), span.len_q,
-                                        span.len_k, allowed1, allowed2);
-                        if (!allowed1) s1[m][n][r] = neg_inf;
-                        if (!allowed2) s2[m][n][r] = neg_inf;
-                        if (!(allowed1 && allowed2)) both[h] &= ~(1u << (2 * n + r % 2));
-                        uncovered[h] = uncovered[h] || (allowed1 && !allowed2);
-                        seen1[h] = seen1[h] || allowed1;
+                    for (int e = 0; e < 2; ++e) {
+                        const float e1 = sk_exp2(s1[m][n][r0 + e] - shift1);
+                        sum1 += e1;
+                        const float diff = s1[m][n][r0 + e] - s2[m][n][r0 + e];
+                        if constexpr (PARTIAL)
+                            sum_diff += ((both[h] >> (2 * n + e)) & 1u) ? e1 * diff : 0.0f;
+                        else
+                            sum_diff += e1 * diff;
+                        sum2 += sk_exp2(s2[m][n][r0 + e] - shift2);
                     }
-        } else {
-#pragma unroll
-            for (int h = 0; h < ROWS; ++h) seen1[h] = true;  // a full tile allows every key on both sides
-        }
-
-#pragma unroll
-        for (int h = 0; h < ROWS; ++h) {
-            const int m = h / 2, r0 = 2 * (h % 2);
-            float max1 = neg_inf, max2 = neg_inf;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                max1 = fmaxf(max1, fmaxf(s1[m][n][r0], s1[m][n][r0 + 1]));
-                max2 = fmaxf(max2, fmaxf(s2[m][n][r0], s2[m][n][r0 + 1]));
+                const float alpha1 = sk_exp2(m1[h] - shift1);
+                l1[h] = l1[h] * alpha1 + sum1;
+                acc[h] = acc[h] * alpha1 + sum_diff;
+                l2[h] = l2[h] * sk_exp2(m2[h] - shift2) + sum2;
+                m1[h] = m1_new;
+                m2[h] = m2_new;
             }
-            const float m1_new = fmaxf(m1[h], quad_max(max1));
-            const float m2_new = fmaxf(m2[h], quad_max(max2));
-            // a row with no key yet keeps max -inf: shift by 0 so that no inf - inf appears
-            const float shift1 = m1_new == neg_inf ? 0.0f : m1_new;
-            const float shift2 = m2_new == neg_inf ? 0.0f : m2_new;
-            float sum1 = 0.0f, sum_diff = 0.0f, sum2 = 0.0f;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float e1 = exp2f(s1[m][n][r0 + e] - shift1);
-                    sum1 += e1;
-                    const bool counts = (both[h] >> (2 * n + e)) & 1u;
-                    sum_diff += e1 * (counts ? s1[m][n][r0 + e] - s2[m][n][r0 + e] : 0.0f);
-                    sum2 += exp2f(s2[m][n][r0 + e] - shift2);
-                }
-            const float alpha1 = exp2f(m1[h] - shift1);
-            l1[h] = l1[h] * alpha1 + sum1;
-            acc[h] = acc[h] * alpha1 + sum_diff;
-            l2[h] = l2[h] * exp2f(m2[h] - shift2) + sum2;
-            m1[h] = m1_new;
-            m2[h] = m2_new;
-        }
+        };
+        if (kv_partial[visit] != 0)
+            update(SkBool<true>{});
+        else
+            update(SkBool<false>{});
     }
     sk_cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
 

@@ -1,11 +1,12 @@
-// streamkl CUDA kernels: the forward pass and the two backward kernels (q-major dq, key-major dk).
+// streamkl CUDA kernels: the FMA forward and the two FMA backward kernels (q-major dq, key-major dk).
 //
 // Compiled by CuPy (NVRTC) once per input dtype with -DSTREAMKL_INPUT=0 (float32), 1 (float16) or
 // 2 (bfloat16); no system header is included, so NVRTC needs no CUDA include path, and launch.py
-// inlines the local includes (forward_mma.cuh, warp_ops.cuh) so that CuPy's cache keys on the whole
-// text. The same file also compiles as host C++ under emulate.h (STREAMKL_EMULATE), which runs it
-// on the CPU for tests. float16 / bfloat16 inputs take the tensor-core forward of forward_mma.cuh;
-// kl_forward below serves float32 (exact FMA) and the backward kernels serve every dtype.
+// inlines the local includes (forward_mma.cuh, backward_mma.cuh, warp_ops.cuh) so that CuPy's cache
+// keys on the whole text. The same file also compiles as host C++ under emulate.h
+// (STREAMKL_EMULATE), which runs it on the CPU for tests. float16 / bfloat16 inputs take the
+// tensor-core kernels of forward_mma.cuh and backward_mma.cuh; the kernels below serve float32
+// (exact FMA).
 //
 // Layout of the work: 256 threads per block, each thread owns one row (a query row in the forward
 // and dq kernels, a key row in the dk kernel) and one "part" of the other side's tile. A thread
@@ -16,8 +17,8 @@
 // float32, half inputs are converted exactly on load).
 //
 // The host side (launch.py) walks the tile schedule of streamkl/sparse/schedule.py: block_q = 64,
-// block_k = 32 for the kernels of this file, the tensor-core forward's own tiles for it
-// (launch.forward_variant). KLParams below is the single source of truth for the argument layout:
+// block_k = 32 for the kernels of this file, the tensor-core kernels' own tiles for them
+// (launch.forward_variant; 64 x 64 for the tensor-core backward). KLParams below is the single source of truth for the argument layout:
 // launch.py parses this struct to build the matching NumPy record.
 
 #ifndef STREAMKL_EMULATE
@@ -66,6 +67,7 @@ struct KLParams {
     sk_u64 cu_q, cu_k;
     sk_u64 sched_count, sched_index, sched_partial;
     sk_u64 mask1, mask2;
+    sk_u64 grad_max;  // tensor-core backward: float32 max |grad_rows| (its dS scale, backward_mma.cuh)
     // strides in elements: inputs (batch, token, head), batch stride 0 for packed sequences
     long long q1_b, q1_n, q1_h;
     long long k1_b, k1_n, k1_h;
@@ -668,4 +670,5 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_backward_dk(const KL
 
 #if STREAMKL_INPUT != 0
 #include "forward_mma.cuh"
+#include "backward_mma.cuh"
 #endif

@@ -118,9 +118,86 @@ def forward_variant(problem: Problem) -> MmaForward | None:
         return None
     dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
     # two 16-row blocks per warp share every key fragment (half the shared-memory reads) while the
-    # score tiles fit the registers without spilling (166 at 128 + 128, nvcc -Xptxas -v) and two
+    # score tiles fit the registers without spilling (168 at 128 + 128, nvcc -Xptxas -v) and two
     # blocks fit an SM; wider heads keep one block per warp, in half the shared memory
     return MmaForward(dim1, dim2, block_k=32, m_tiles=2 if dim1 + dim2 <= 256 else 1)
+
+
+@dataclass(frozen=True)
+class MmaBackward:
+    """Template arguments of kl_backward_dq_mma / kl_backward_dk_mma (backward_mma.cuh): which
+    kernel, head dims rounded up to 16, cp.async stages, the sides whose gradients it computes and,
+    for dk, whether it also adds those sides' dq by atomics."""
+
+    kernel: str  # "dq" (query-major) or "dk" (key-major)
+    dim1: int
+    dim2: int
+    stages: int
+    side1: int
+    side2: int
+    atomic_dq: int = 0
+
+    threads = 128
+    tile = 64  # queries and keys of the schedule's tiles
+    sub = 32  # the other side's rows per score step (SK_MMA_BWD_SUB)
+
+    @property
+    def name(self) -> str:
+        args = [self.dim1, self.dim2, self.stages, self.side1, self.side2]
+        if self.kernel == "dk":
+            args.append(self.atomic_dq)
+        return f"kl_backward_{self.kernel}_mma<{', '.join(map(str, args))}>"
+
+    @property
+    def shared_bytes(self) -> int:
+        tile_bytes = self.tile * 2 * (self.dim1 + 8 + self.dim2 + 8)  # both sides' rows, padded
+        if self.kernel == "dq":  # q1, q2, then a ring of k1, k2 tiles
+            return tile_bytes * (1 + self.stages)
+        ds_buffer = self.atomic_dq * self.tile * 2 * (self.sub + 8)
+        return tile_bytes + self.stages * (tile_bytes + 4 * 4 * self.tile) + ds_buffer  # k; ring of q, stats
+
+    @property
+    def emulator_index(self) -> int:
+        """Kernel number in the emulator library (emulate.cpp): 4-6 dq, 7-9 dk, 10-12 dk with dq."""
+        return 4 + 3 * (self.kernel == "dk") + 3 * self.atomic_dq + self.side1 + 2 * self.side2 - 1
+
+
+def backward_shape(problem: Problem) -> tuple[int, int, int]:
+    """(D1P, D2P, stages) of the tensor-core backward: head dims rounded up to 16; two cp.async
+    stages while both sides' rows are at most 256 wide together, one (in half the shared memory,
+    so that 256 + 256 fits an A100) past that."""
+    dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
+    return dim1, dim2, 2 if dim1 + dim2 <= 256 else 1
+
+
+def backward_variants(problem: Problem, needs) -> list[MmaBackward] | None:
+    """The tensor-core backward launches serving `problem` for the gradients `needs` (dq1, dk1,
+    dq2, dk2), or None: float32 takes the FMA kernels.
+
+    Unless `deterministic`, a side needing both gradients runs fused: the key-major kernel adds
+    its dq by atomics (one recomputation of the scores instead of two). Otherwise dq comes from the
+    query-major kernel, dk from the key-major one. Two sides share a launch while their
+    accumulators fit the registers (D1P + D2P <= 256; fused, <= 128 as dq's tile adds its own;
+    a side fuses only up to D = 128) and, for dk, their query heads group alike."""
+    if problem.dtype == torch.float32:
+        return None
+    dim1, dim2, stages = backward_shape(problem)
+    same_groups = problem.heads_k1 == problem.heads_k2
+    dq_sides = [side for side in (1, 2) if needs[2 * side - 2]]
+    dk_sides = [side for side in (1, 2) if needs[2 * side - 1]]
+    # fused: the side's dq tile (16 x D / 2 per warp) fits beside dk's accumulators up to D = 128
+    fitting = (dim1 <= 128, dim2 <= 128) if dim1 + dim2 <= 256 else (False, False)
+    fused = [] if problem.deterministic else [s for s in dq_sides if s in dk_sides and fitting[s - 1]]
+    launches = []
+    for kernel, sides, atomic, pair in (
+        ("dq", [s for s in dq_sides if s not in fused], 0, dim1 + dim2 <= 256),
+        ("dk", [s for s in dk_sides if s not in fused], 0, dim1 + dim2 <= 256 and same_groups),
+        ("dk", fused, 1, dim1 + dim2 <= 128 and same_groups),
+    ):
+        groups = [sides] if len(sides) == 2 and pair else [[side] for side in sides]
+        launches += [MmaBackward(kernel, dim1, dim2, stages, int(1 in group), int(2 in group), atomic)
+                     for group in groups]
+    return launches
 
 
 def forward_tiles(problem: Problem) -> tuple[int, int]:
@@ -165,22 +242,26 @@ def _functions(input_code: int, device_index: int):
 
 
 @functools.cache
-def _mma_function(input_code: int, variant: MmaForward, device_index: int):
-    """kl_forward_mma<variant> for one input dtype on one device, compiled once (NVRTC)."""
+def _mma_functions(input_code: int, variants: tuple[MmaForward | MmaBackward, ...], device_index: int):
+    """The tensor-core kernels `variants` for one input dtype on one device, compiled together
+    (one NVRTC run) and once: {name: function}."""
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(
             code=source_text(),
             options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"),
-            name_expressions=[variant.name],
+            name_expressions=[variant.name for variant in variants],
         )
-        try:
-            function = module.get_function(variant.name)
-        except Exception as exc:
-            raise RuntimeError(f"streamkl cupy backend: compiling {variant.name} failed: {exc}") from exc
-        function.max_dynamic_shared_size_bytes = variant.shared_bytes
-    return function
+        functions = {}
+        for variant in variants:
+            try:
+                function = module.get_function(variant.name)
+            except Exception as exc:
+                raise RuntimeError(f"streamkl cupy backend: compiling {variant.name} failed: {exc}") from exc
+            function.max_dynamic_shared_size_bytes = variant.shared_bytes
+            functions[variant.name] = function
+    return functions
 
 
 @functools.cache
@@ -195,28 +276,36 @@ def shared_memory_limit(device: torch.device) -> int:
     return int(limit)
 
 
-def _launch(kernel: str, tiles: int, pairs: int, params: np.ndarray, problem: Problem,
-            variant: MmaForward | None = None) -> None:
-    """One launch of `kernel` (a name of KERNELS, or "kl_forward_mma" with its `variant`)."""
+def _launch(kernel: str | MmaForward | MmaBackward, tiles: int, pairs: int, params: np.ndarray,
+            problem: Problem, together: tuple[MmaForward | MmaBackward, ...] = ()) -> None:
+    """One launch of `kernel`: a name of KERNELS (the FMA kernels) or a tensor-core variant, compiled
+    with the variants `together` (the other launches of the same call: one NVRTC run)."""
     if tiles <= 0 or pairs <= 0:  # CuPy would round an empty grid up to one block
         return
     grid_y = min(pairs, MAX_GRID_Y)
     grid = (tiles, grid_y, math.ceil(pairs / grid_y))
-    mma = kernel == "kl_forward_mma"
-    smem = variant.shared_bytes if mma else shared_bytes(problem.dim1, problem.dim2)[kernel]
-    threads = variant.threads if mma else THREADS
+    mma = not isinstance(kernel, str)
+    smem = kernel.shared_bytes if mma else shared_bytes(problem.dim1, problem.dim2)[kernel]
+    threads = kernel.threads if mma else THREADS
     code = INPUT_CODES[problem.dtype]
     if emulate.emulating():
-        # one emulator library per (dtype, forward variant) serves all of a problem's launches
-        forward = variant if mma else forward_variant(problem)
-        index = 3 if mma else KERNELS.index(kernel)
-        emulate.launch(index, grid, threads, smem, params, code, None if forward is None else forward.args)
+        # one emulator library per (dtype, head dims) serves all of a problem's launches
+        forward = forward_variant(problem)
+        backward = None if problem.dtype == torch.float32 else backward_shape(problem)
+        if isinstance(kernel, MmaForward):
+            index, forward = 3, kernel
+        else:
+            index = kernel.emulator_index if mma else KERNELS.index(kernel)
+        emulate.launch(index, grid, threads, smem, params, code, None if forward is None else forward.args, backward)
         return
     import cupy
 
     device = problem.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    function = _mma_function(code, variant, index) if mma else _functions(code, index)[kernel]
+    if mma:
+        function = _mma_functions(code, together or (kernel,), index)[kernel.name]
+    else:
+        function = _functions(code, index)[kernel]
     stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, index)
     with cupy.cuda.Device(index):
         function(grid, (threads,), (params,), shared_mem=smem, stream=stream)
@@ -376,7 +465,7 @@ def forward_with(variant: MmaForward | None, problem: Problem, q1, k1, q2, k2, s
         _launch("kl_forward", math.ceil(problem.seqlen_q / BLOCK_Q), pairs, record, problem)
     else:
         record["vector_loads"] = int(_rows_16_byte_aligned(problem, (q1, k1, q2, k2)))
-        _launch("kl_forward_mma", math.ceil(problem.seqlen_q / variant.block_q), pairs, record, problem, variant)
+        _launch(variant, math.ceil(problem.seqlen_q / variant.block_q), pairs, record, problem)
     return kl_rows, lse1, lse2, expect
 
 
@@ -384,12 +473,15 @@ def forward_with(variant: MmaForward | None, problem: Problem, q1, k1, q2, k2, s
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule: TileSchedule, needs):
     """(dq1, dk1, dq2, dk2) in the input dtype, None where not needed.
 
-    Two kernels owning disjoint outputs, so gradients are bitwise reproducible in every mode (no
-    atomics): q-major for dq over the schedule, key-major for dk over its transpose. Both score
-    sides are always recomputed (dS1 needs s2, dS2 needs p); a side whose gradients are not
-    needed costs no gradient product."""
-    if (schedule.block_q, schedule.block_k) != (BLOCK_Q, BLOCK_K):  # the forward's tiles differ
-        schedule = get_schedule(problem, BLOCK_Q, BLOCK_K)
+    Query-major kernels write dq, key-major kernels (over the transposed schedule) dk, each owning
+    its outputs: gradients are bitwise reproducible in every mode (no atomics). Both score sides
+    are always recomputed (dS1 needs s2, dS2 needs p); a side whose gradients are not needed costs
+    no gradient product. float16 / bfloat16 run on tensor cores (backward_mma.cuh, 64 x 64 tiles),
+    float32 on the FMA kernels (64 x 32 tiles)."""
+    variants = backward_variants(problem, needs)
+    tiles = (BLOCK_Q, BLOCK_K) if variants is None else (MmaBackward.tile, MmaBackward.tile)
+    if (schedule.block_q, schedule.block_k) != tiles:  # the forward's tiles differ
+        schedule = get_schedule(problem, *tiles)
     tensors = (q1, k1, q2, k2)
     # float32 accumulators; rows no block owns (never visited, past cu_seqlens[-1]) stay 0
     grads = [
@@ -412,30 +504,60 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
         if g is not None:
             record[name] = g.data_ptr()
             _set(record, name, "bnh", _token_strides(g, varlen))
-
-    if needs[0] or needs[2]:
-        query = record.copy()
-        query["need_dq1"], query["need_dq2"] = int(needs[0]), int(needs[2])
-        _set_schedule(query, schedule.kv_count, schedule.kv_index, schedule.kv_partial)
-        pairs = problem.batch * problem.heads
-        query["batch_heads"] = pairs
-        tiles = math.ceil(problem.seqlen_q / BLOCK_Q) * (BLOCK_Q // BWD_ROWS)
-        _launch("kl_backward_dq", tiles, pairs, query, problem)
-
-    if needs[1] or needs[3]:
-        keys = get_key_schedule(schedule)
-        group1, group2 = problem.heads // problem.heads_k1, problem.heads // problem.heads_k2
-        # one launch when both sides group their query heads alike, else one per side
-        if needs[1] and needs[3] and group1 != group2:
-            launches = [(group1, True, False), (group2, False, True)]
-        else:
-            launches = [(group1 if needs[1] else group2, needs[1], needs[3])]
-        for group, need1, need2 in launches:
-            key = record.copy()
-            key["need_dk1"], key["need_dk2"] = int(need1), int(need2)
-            key["group_drive"], key["heads_drive"] = group, problem.heads // group
-            _set_schedule(key, keys.q_count, keys.q_index, keys.q_partial)
-            pairs = problem.batch * (problem.heads // group)
-            key["batch_heads"] = pairs
-            _launch("kl_backward_dk", math.ceil(problem.seqlen_k / BLOCK_K), pairs, key, problem)
+    if variants is None:
+        _backward_fma(problem, record, schedule, needs)
+    else:
+        grad_max = grad_rows.abs().amax()  # on the device: the kernels read it (no host sync)
+        record["grad_max"] = grad_max.data_ptr()
+        record["vector_loads"] = int(_rows_16_byte_aligned(problem, tensors))
+        _backward_mma(problem, record, schedule, variants)
     return tuple(None if g is None else g.to(problem.dtype) for g in grads)
+
+
+def _query_launch(problem: Problem, record: np.ndarray, schedule: TileSchedule, need1: int, need2: int) -> np.ndarray:
+    query = record.copy()
+    query["need_dq1"], query["need_dq2"] = need1, need2
+    _set_schedule(query, schedule.kv_count, schedule.kv_index, schedule.kv_partial)
+    query["batch_heads"] = problem.batch * problem.heads
+    return query
+
+
+def _key_launch(problem: Problem, record: np.ndarray, schedule: TileSchedule, need1: int, need2: int) -> np.ndarray:
+    """The record of a key-major launch driven by side 1 (need1) or else side 2: it loops over the
+    query heads of that side's GQA group."""
+    keys = get_key_schedule(schedule)
+    group = problem.heads // (problem.heads_k1 if need1 else problem.heads_k2)
+    key = record.copy()
+    key["need_dk1"], key["need_dk2"] = need1, need2
+    key["group_drive"], key["heads_drive"] = group, problem.heads // group
+    _set_schedule(key, keys.q_count, keys.q_index, keys.q_partial)
+    key["batch_heads"] = problem.batch * (problem.heads // group)
+    return key
+
+
+def _backward_fma(problem: Problem, record: np.ndarray, schedule: TileSchedule, needs) -> None:
+    if needs[0] or needs[2]:
+        query = _query_launch(problem, record, schedule, int(needs[0]), int(needs[2]))
+        tiles = math.ceil(problem.seqlen_q / BLOCK_Q) * (BLOCK_Q // BWD_ROWS)
+        _launch("kl_backward_dq", tiles, int(query["batch_heads"][0]), query, problem)
+    if needs[1] or needs[3]:
+        # one launch when both sides group their query heads alike, else one per side
+        if needs[1] and needs[3] and problem.heads_k1 != problem.heads_k2:
+            launches = [(1, 0), (0, 1)]
+        else:
+            launches = [(int(needs[1]), int(needs[3]))]
+        for need1, need2 in launches:
+            key = _key_launch(problem, record, schedule, need1, need2)
+            _launch("kl_backward_dk", math.ceil(problem.seqlen_k / BLOCK_K), int(key["batch_heads"][0]), key, problem)
+
+
+def _backward_mma(problem: Problem, record: np.ndarray, schedule: TileSchedule, variants: list[MmaBackward]) -> None:
+    tile, together = MmaBackward.tile, tuple(variants)
+    for variant in variants:
+        if variant.kernel == "dq":
+            query = _query_launch(problem, record, schedule, variant.side1, variant.side2)
+            _launch(variant, math.ceil(problem.seqlen_q / tile), int(query["batch_heads"][0]), query, problem,
+                    together)
+        else:
+            key = _key_launch(problem, record, schedule, variant.side1, variant.side2)
+            _launch(variant, math.ceil(problem.seqlen_k / tile), int(key["batch_heads"][0]), key, problem, together)

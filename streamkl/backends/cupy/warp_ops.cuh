@@ -1,5 +1,6 @@
 // Warp-level primitives of the tensor-core kernels: ldmatrix, mma.sync m16n8k16 (float32
-// accumulation), cp.async with commit / wait groups, and a butterfly shuffle.
+// accumulation), float32 -> half pair conversion (cvt.rn), cp.async with commit / wait groups, a
+// butterfly shuffle, and exp2 flushing subnormal results to zero (ex2.approx.ftz).
 //
 // On the GPU each is one PTX instruction. Under the host emulator (STREAMKL_EMULATE) each is an
 // exact model of the PTX ISA's fragment layouts: every lane deposits its operands in a per-warp
@@ -80,6 +81,27 @@ SK_DEVICE void sk_mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigne
     for (int idx = 0; idx < 4; ++idx) d[idx] += result[idx];
 }
 
+// float32 -> float16 / bfloat16 bits, round to nearest even (what cvt.rn does)
+SK_DEVICE unsigned short sk_round_to_input(float value) {
+    unsigned bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    const unsigned sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return (unsigned short)(sign | 0x7fffu);  // NaN
+#if STREAMKL_INPUT == 1
+    if (magnitude >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // 65520 and up round to inf
+    if (magnitude < 0x38800000u)  // below 2^-14: a subnormal half, a multiple of 2^-24 (rintf: ties to even)
+        return (unsigned short)(sign | (unsigned)rintf(std::fabs(value) * 16777216.0f));
+    return (unsigned short)(sign | ((magnitude + 0xfffu + ((magnitude >> 13) & 1u) - 0x38000000u) >> 13));
+#else
+    return (unsigned short)(sign | ((magnitude + 0x7fffu + ((magnitude >> 16) & 1u)) >> 16));
+#endif
+}
+
+// two floats rounded to input_t and packed into one register, `low` in the low half
+SK_DEVICE unsigned sk_pack_floats(float low, float high) {
+    return sk_pack(sk_round_to_input(low), sk_round_to_input(high));
+}
+
 // 16 bytes global -> shared, the bytes past `src_bytes` (0 or 16) zero-filled, visible after the
 // wait that retires its group (the emulator defers the copy until then, as the hardware may)
 SK_DEVICE void sk_cp_async_16(void* dst, const void* src, int src_bytes) { emu_cp_async(dst, src, 16, src_bytes); }
@@ -87,6 +109,12 @@ SK_DEVICE void sk_cp_async_commit() { emu_cp_async_commit(); }
 template <int PENDING>
 SK_DEVICE void sk_cp_async_wait() {
     emu_cp_async_wait(PENDING);
+}
+
+// 2^x with results below 2^-126 flushed to zero (the single instruction ex2.approx.ftz)
+SK_DEVICE float sk_exp2(float x) {
+    const float result = exp2f(x);
+    return result < 1.17549435e-38f ? 0.0f : result;
 }
 
 SK_DEVICE float sk_shfl_xor(float value, int mask) {
@@ -146,6 +174,17 @@ SK_DEVICE void sk_mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigne
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// two floats rounded to input_t (nearest even) and packed into one register, `low` in the low half
+SK_DEVICE unsigned sk_pack_floats(float low, float high) {
+    unsigned packed;
+#if STREAMKL_INPUT == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(high), "f"(low));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(high), "f"(low));
+#endif
+    return packed;
+}
+
 SK_DEVICE void sk_cp_async_16(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sk_shared_address(dst)), "l"(src),
                  "r"(src_bytes));
@@ -159,4 +198,11 @@ SK_DEVICE void sk_cp_async_wait() {
 }
 
 SK_DEVICE float sk_shfl_xor(float value, int mask) { return __shfl_xor_sync(0xffffffffu, value, mask); }
+
+// 2^x with results below 2^-126 flushed to zero: one MUFU.EX2 (exp2f adds subnormal fix-ups)
+SK_DEVICE float sk_exp2(float x) {
+    float result;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(result) : "f"(x));
+    return result;
+}
 #endif
