@@ -22,6 +22,10 @@ import torch.multiprocessing as mp
 
 import streamkl
 from streamkl import distributed as cp
+from streamkl.autograd import run_forward
+from streamkl.dispatch import get_backend
+from streamkl.distributed.merge import RowStats
+from streamkl.problem import build_problem
 from streamkl.reference import reference_kl
 
 WORLDS = (2, 3)
@@ -66,7 +70,7 @@ def _inputs(world: int, setting: Setting, edit=None) -> list[torch.Tensor]:
     (h1k, h2k), (d1, d2) = setting.heads_k, setting.dims
     shapes = [(BATCH, seqlen, HEADS, d1), (BATCH, seqlen, h1k, d1), (BATCH, seqlen, HEADS, d2),
               (BATCH, seqlen, h2k, d2)]
-    full = [torch.randn(shape).to(setting.dtype) for shape in shapes]
+    full = [torch.randn(shape).to(_STATE["device"], setting.dtype) for shape in shapes]
     if edit is not None:
         edit(full)
     return [t.requires_grad_(r) for t, r in zip(full, setting.requires)]
@@ -75,17 +79,17 @@ def _inputs(world: int, setting: Setting, edit=None) -> list[torch.Tensor]:
 def _compare(group, world: int, setting: Setting, edit=None) -> None:
     full = _inputs(world, setting, edit)
     layout = setting.causal if setting.balanced_layout is None else setting.balanced_layout
-    upstream = torch.randn(full[0].shape[:2] + (HEADS,))
+    upstream = torch.randn(full[0].shape[:2] + (HEADS,)).to(_STATE["device"])
     wanted = [i for i, t in enumerate(full) if t.requires_grad]
 
     out_ref, lse1_ref, lse2_ref = streamkl.kl(*full, causal=setting.causal, reduction=setting.reduction,
-                                              return_lse=True, backend="torch")
+                                              return_lse=True, backend=_STATE["backend"])
     loss_ref = (out_ref * upstream).sum() if setting.reduction == "none" else out_ref
     grads_ref = torch.autograd.grad(loss_ref, [full[i] for i in wanted]) if wanted else ()
 
     shards = [cp.shard(t.detach(), group, causal=layout).requires_grad_(t.requires_grad) for t in full]
     out, lse1, lse2 = cp.kl(*shards, group=group, causal=setting.causal, reduction=setting.reduction,
-                            return_lse=True, backend="torch")
+                            return_lse=True, backend=_STATE["backend"])
     loss = (out * cp.shard(upstream, group, causal=layout)).sum() if setting.reduction == "none" else out
     grads = torch.autograd.grad(loss, [shards[i] for i in wanted]) if wanted else ()
 
@@ -106,6 +110,7 @@ def _settings() -> dict:
     cases["dense-mean-balanced-layout"] = Setting(False, "mean", seqlen=24, balanced_layout=True)
     cases["dense-mean-MHA-D8x8-long"] = Setting(False, "mean", seqlen=61, heads_k=(4, 4), dims=(8, 8))
     cases["causal-sum-MQA-D8x16"] = Setting(True, "sum", heads_k=(1, 1), dims=(8, 16))
+    cases["dense-mean-a-rank-without-tokens"] = Setting(False, "mean", seqlen=2)  # P3: shards 1, 1, 0
     cases["dense-none-teacher-detached"] = Setting(False, "none", requires=(False, False, True, True))
     cases["causal-mean-queries-only"] = Setting(True, "mean", requires=(True, False, True, False))
     cases["causal-none-keys-only"] = Setting(True, "none", requires=(False, True, False, True))
@@ -146,7 +151,7 @@ def _near_identical(group, world: int) -> None:
     full[2], full[3] = full[0] + 1e-3 * torch.randn_like(full[0]), full[1].clone()
     ref = reference_kl(*(t.double() for t in full), causal=True)[0]
     out = cp.kl(*(cp.shard(t, group, causal=True) for t in full), group=group, causal=True, reduction="none",
-                backend="torch")
+                backend=_STATE["backend"])
     err = (out.double() - cp.shard(ref, group, causal=True)).abs().max().item()
     assert err <= 1e-5, f"absolute error {err:.3g} > 1e-5"
 
@@ -157,10 +162,10 @@ def _bfloat16_against_reference(group, world: int) -> None:
     full = _inputs(world, setting)
     leaves = [t.detach().double().requires_grad_() for t in full]
     ref = reference_kl(*leaves, causal=True)[0]
-    upstream = torch.randn(ref.shape, dtype=torch.float64)
+    upstream = torch.randn(ref.shape, dtype=torch.float64).to(_STATE["device"])
     ref_grads = torch.autograd.grad((ref * upstream).sum(), leaves)
     shards = [cp.shard(t.detach(), group, causal=True).requires_grad_() for t in full]
-    out = cp.kl(*shards, group=group, causal=True, reduction="none", backend="torch")
+    out = cp.kl(*shards, group=group, causal=True, reduction="none", backend=_STATE["backend"])
     grads = torch.autograd.grad((out * cp.shard(upstream.float(), group, causal=True)).sum(), shards)
     _close("kl", out.double(), cp.shard(ref.detach(), group, causal=True), 1e-2)
     for name, grad, ref_grad in zip(("dq1", "dk1", "dq2", "dk2"), grads, ref_grads):
@@ -173,18 +178,19 @@ def _deterministic(group, world: int) -> None:
     shards = [cp.shard(t.detach(), group, causal=True).requires_grad_() for t in _inputs(world, setting)]
     runs = []
     for _ in range(2):
-        out = cp.kl(*shards, group=group, causal=True, deterministic=True, backend="torch")
+        out = cp.kl(*shards, group=group, causal=True, deterministic=True, backend=_STATE["backend"])
         runs.append((out, *torch.autograd.grad(out, shards)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def _world_of_one(group, world: int) -> None:
     """A group of one rank is streamkl.kl, bit for bit (the merge starts from the rank's own shard)."""
-    alone = _single_groups[dist.get_rank()]
+    alone = _STATE["alone"]
     setting = Setting(True, "none")
     full = _inputs(world, setting)
-    out, lse1, lse2 = cp.kl(*full, group=alone, causal=True, reduction="none", return_lse=True, backend="torch")
-    out_ref, lse1_ref, lse2_ref = streamkl.kl(*full, causal=True, reduction="none", return_lse=True, backend="torch")
+    options = dict(causal=True, reduction="none", return_lse=True, backend=_STATE["backend"])
+    out, lse1, lse2 = cp.kl(*full, group=alone, **options)
+    out_ref, lse1_ref, lse2_ref = streamkl.kl(*full, **options)
     assert torch.equal(out, out_ref) and torch.equal(lse1, lse1_ref) and torch.equal(lse2, lse2_ref)
     grads = torch.autograd.grad((out * out.detach()).sum(), full)
     grads_ref = torch.autograd.grad((out_ref * out_ref.detach()).sum(), full)
@@ -194,18 +200,18 @@ def _world_of_one(group, world: int) -> None:
 
 def _subgroup(group, world: int) -> None:
     """A group of the last two ranks: peers are global ranks; the other ranks are not involved."""
-    if dist.get_rank() in _last_two_ranks:
-        _compare(_last_two_group, 2, Setting(True, "mean"))
+    if world >= 2 and dist.get_rank() in _STATE["last_two_ranks"]:
+        _compare(_STATE["last_two"], 2, Setting(True, "mean"))
 
 
 def _shard_gather_round_trip(group, world: int) -> None:
     for causal, seqlen in ((False, 11), (True, 4 * world)):
-        x = torch.randn(BATCH, seqlen, 3, 5)
+        x = torch.randn(BATCH, seqlen, 3, 5).to(_STATE["device"])
         piece = cp.shard(x, group, causal=causal)
         assert torch.equal(cp.gather(piece, group, causal=causal), x)
-        positions = cp.shard_indices(seqlen, group, causal=causal)
+        positions = cp.shard_indices(seqlen, group, causal=causal, device=_STATE["device"])
         assert torch.equal(piece, x[:, positions])
-        lse = torch.randn(BATCH, 3, seqlen)
+        lse = torch.randn(BATCH, 3, seqlen).to(_STATE["device"])
         assert torch.equal(cp.gather(cp.shard(lse, group, dim=2, causal=causal), group, dim=2, causal=causal), lse)
 
 
@@ -222,13 +228,15 @@ def _refusals(group, world: int) -> None:
     call = lambda *ts, **kw: cp.kl(*ts, group=group, **{"backend": "torch", **kw})  # noqa: E731
     # options context parallel does not take: before any communication
     _raises(ValueError, "window", lambda: call(*shards, window=(4, 0)))
-    _raises(ValueError, "cu_seqlens", lambda: call(*shards, cu_seqlens=torch.zeros(2, dtype=torch.int32)))
+    cu_seqlens = torch.zeros(2, dtype=torch.int32, device=_STATE["device"])
+    _raises(ValueError, "cu_seqlens", lambda: call(*shards, cu_seqlens=cu_seqlens))
     mask = streamkl.BlockMask.from_dense(torch.ones(1, 1, 1, 1, dtype=torch.bool), block_size=(16, 16))
     _raises(ValueError, "block masks", lambda: call(*shards, mask2=mask))
     _raises(ValueError, "reduction", lambda: call(*shards, reduction="batchmean"))
     _raises(TypeError, "group", lambda: cp.kl(*shards, group="world"))
     _raises(ValueError, "backend", lambda: call(*shards, backend="flash"))
-    _raises(ValueError, "divisible by 2", lambda: cp.shard(torch.randn(1, 2 * world + 1, 1, 4), group, causal=True))
+    odd_sequence = torch.randn(1, 2 * world + 1, 1, 4, device=_STATE["device"])
+    _raises(ValueError, "divisible by 2", lambda: cp.shard(odd_sequence, group, causal=True))
     # one rank's own inputs wrong: it names the argument, the others name the rank
     bad = list(shards)
     if rank == 1:
@@ -266,26 +274,35 @@ CASES = {
     "refusals": _refusals,
 }
 
-_single_groups: list = []
-_last_two_ranks: list[int] = []
-_last_two_group = None
+#: set in each process by `_worker`: where the inputs live, which streamkl backend runs, extra groups
+_STATE: dict = {"device": "cpu", "backend": "torch"}
+#: the cases of the NCCL run (each new shape costs Triton compilations there)
+GPU_CASES = ("dense-mean-H4-Hk2x1-D16x8", "causal-none-H4-Hk2x1-D16x8", "causal-sum-MQA-D8x16",
+             "dense-none-teacher-detached", "bfloat16-vs-reference", "world-of-one-bitwise", "subgroup-of-two",
+             "shard-gather-round-trip", "refusals")
 
 
-def _worker(rank: int, world: int, init_file: str, report_dir: str) -> None:
-    global _last_two_group
+def _worker(rank: int, world: int, init_file: str, report_dir: str, communication: str = "gloo") -> None:
     torch.set_num_threads(1)
     os.environ["STREAMKL_POISON_OUTPUTS"] = "1"  # fresh outputs start as NaN: a row never written fails
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    names = list(CASES)
+    if communication == "nccl":
+        torch.cuda.set_device(rank)
+        _STATE.update(device=f"cuda:{rank}", backend=None)  # backend None: auto, the fastest here
+        names = list(GPU_CASES)
+    dist.init_process_group(communication, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    _single_groups.extend(dist.new_group([r]) for r in range(world))
-    _last_two_ranks.extend([world - 2, world - 1])
-    _last_two_group = dist.new_group(_last_two_ranks)
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank takes part in creating each group
+    _STATE["alone"] = singles[rank]
+    if world >= 2:
+        _STATE["last_two_ranks"] = (world - 2, world - 1)
+        _STATE["last_two"] = dist.new_group(list(_STATE["last_two_ranks"]))
     report = {}
     path = Path(report_dir) / f"rank{rank}.json"
-    for index, (name, case) in enumerate(CASES.items()):
-        torch.manual_seed(1000 * world + index)  # the same inputs on every rank
+    for name in names:
+        torch.manual_seed(1000 * world + list(CASES).index(name))  # the same inputs on every rank
         try:
-            case(dist.group.WORLD, world)
+            CASES[name](dist.group.WORLD, world)
             report[name] = None
         except Exception:  # reported per case; the group stays in step (refusals raise on every rank)
             report[name] = traceback.format_exc()
@@ -294,30 +311,33 @@ def _worker(rank: int, world: int, init_file: str, report_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _spawn(directory: Path, world: int, communication: str, names) -> dict:
+    """{case: [each rank's error or None]} of one group of `world` processes."""
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_worker, args=(rank, world, str(directory / "store"), str(directory),
+                                                       communication)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(JOIN_TIMEOUT_S)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    by_rank = []
+    for rank in range(world):
+        path = directory / f"rank{rank}.json"
+        by_rank.append(json.loads(path.read_text()) if path.exists() else {})
+    return {name: [r.get(name, "no report (the process died or hung)") for r in by_rank] for name in names}
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    """world size -> {case: [each rank's error or None]}, the processes started on first use."""
+    """world size -> {case: [each rank's error or None]}, the gloo processes started on first use."""
     runs = {}
 
     def run(world: int) -> dict:
         if world not in runs:
-            directory = tmp_path_factory.mktemp(f"cp{world}")
-            context = mp.get_context("spawn")
-            processes = [context.Process(target=_worker, args=(rank, world, str(directory / "store"), str(directory)))
-                         for rank in range(world)]
-            for process in processes:
-                process.start()
-            for process in processes:
-                process.join(JOIN_TIMEOUT_S)
-            for process in processes:
-                if process.is_alive():
-                    process.kill()
-            by_rank = []
-            for rank in range(world):
-                path = directory / f"rank{rank}.json"
-                by_rank.append(json.loads(path.read_text()) if path.exists() else {})
-            runs[world] = {name: [r.get(name, "no report (the process died or hung)") for r in by_rank]
-                           for name in CASES}
+            runs[world] = _spawn(tmp_path_factory.mktemp(f"cp{world}"), world, "gloo", CASES)
         return runs[world]
 
     return run
@@ -330,6 +350,35 @@ def test_context_parallel(reports, world, case):
     assert not errors, "\n".join(f"rank {rank}:\n{error}" for rank, error in errors)
 
 
+@pytest.mark.parametrize("edit", [None, _teacher_row_neginf, _teacher_key_neginf, _student_shard_neginf],
+                         ids=["random", "teacher-row-neginf", "teacher-key-neginf", "student-shard-neginf"])
+@pytest.mark.parametrize("cuts", [(0, 13), (0, 5, 13), (0, 1, 4, 9, 13)], ids=["1-shard", "2-shards", "4-shards"])
+def test_merge_of_key_shards_is_one_pass(cuts, edit):
+    """Without communication: the statistics of uneven key pieces, merged, are the one-pass rows."""
+    full = _inputs(1, Setting(False, "none", requires=(False,) * 4), edit)
+    q1, k1, q2, k2 = full
+    expected, lse1, lse2 = streamkl.kl(*full, reduction="none", return_lse=True, backend="torch")
+    impl = get_backend("torch")
+    stats = None
+    for start, stop in zip(cuts, cuts[1:]):
+        part = (q1, k1[:, start:stop], q2, k2[:, start:stop])
+        shard_stats = RowStats.of_shard(*run_forward(build_problem(*part), impl, *part))
+        stats = shard_stats if stats is None else (stats.merge_(shard_stats) or stats)
+    _close("kl", stats.rows(), expected)
+    _close("lse1", stats.lse1, lse1)
+    _close("lse2", stats.lse2, lse2)
+    if len(cuts) == 2:  # one shard: the backend's rows, bit for bit
+        assert torch.equal(stats.rows().nan_to_num(), expected.nan_to_num())
+
+
+def test_shard_scores_all_neginf_by_value_carry_nan():
+    """A shard whose side-1 scores are all -inf by value poisons its rows' E, as a -inf score does
+    in one pass, whatever E the backend wrote for it."""
+    lse1 = torch.tensor([[[-float("inf"), 0.5]]])
+    stats = RowStats.of_shard(torch.zeros(1, 2, 1), lse1, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))
+    assert torch.isnan(stats.expect[..., 0]).all() and stats.expect[..., 1].eq(0).all()
+
+
 def test_refusals_without_a_process_group():
     assert not dist.is_initialized()
     x = torch.randn(1, 4, 2, 8)
@@ -337,3 +386,15 @@ def test_refusals_without_a_process_group():
         cp.kl(x, x, x, x)
     with pytest.raises(ValueError, match="init_process_group"):
         cp.shard(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+def test_context_parallel_nccl(tmp_path):
+    """NCCL on CUDA, the default backend: one rank per GPU, two when there are two GPUs (NCCL takes
+    one GPU per rank, so one GPU checks the CUDA path and the agreement, not the ring)."""
+    world = min(torch.cuda.device_count(), 2)
+    report = _spawn(tmp_path, world, "nccl", GPU_CASES)
+    errors = [(name, rank, error) for name, by_rank in report.items() for rank, error in enumerate(by_rank)
+              if error is not None]
+    assert not errors, "\n".join(f"{name} rank {rank}:\n{error}" for name, rank, error in errors)
