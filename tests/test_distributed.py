@@ -183,6 +183,14 @@ def _deterministic(group, world: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def _no_second_derivative(group, world: int) -> None:
+    """create_graph=True gives the gradients; differentiating them again raises, never drops terms."""
+    shards = [cp.shard(t.detach(), group).requires_grad_() for t in _inputs(world, Setting(False, "sum"))]
+    out = cp.kl(*shards, group=group, reduction="sum", backend=_STATE["backend"])
+    grads = torch.autograd.grad(out, shards, create_graph=True)
+    _raises(RuntimeError, "no second derivative", lambda: torch.autograd.grad(grads[0].sum(), shards[0]))
+
+
 def _world_of_one(group, world: int) -> None:
     """A group of one rank is streamkl.kl, bit for bit (the merge starts from the rank's own shard)."""
     alone = _STATE["alone"]
@@ -270,6 +278,7 @@ CASES = {
     "bfloat16-vs-reference": _bfloat16_against_reference,
     "deterministic-bitwise": _deterministic,
     "world-of-one-bitwise": _world_of_one,
+    "no-second-derivative": _no_second_derivative,
     "subgroup-of-two": _subgroup,
     "shard-gather-round-trip": _shard_gather_round_trip,
     "refusals": _refusals,

@@ -49,8 +49,10 @@ def _spans(seqlen: int, rank: int, size: int, causal: bool, function: str) -> li
     return [(rank * base + min(rank, extra), base + (1 if rank < extra else 0))]
 
 
-def shard_indices(seqlen: int, group=None, *, causal: bool = False, device: torch.device | str | None = None
-                  ) -> torch.Tensor:
+def shard_indices(
+    seqlen: int, group: dist.ProcessGroup | None = None, *, causal: bool = False,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """The global token positions of this rank's shard, int64 (n,), in the shard's order: the
     positions to give rotary embeddings or position ids. No communication."""
     seqlen = _check_int("shard_indices", "seqlen", seqlen, 0)
@@ -70,7 +72,9 @@ def _check_dim(function: str, x: object, dim: object) -> int:
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, group=None, *, dim: int = 1, causal: bool = False) -> torch.Tensor:
+def shard(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, *, dim: int = 1, causal: bool = False
+) -> torch.Tensor:
     """This rank's shard of the full sequence `x` along `dim` (every rank passes the same `x`).
 
     `causal=False`: the contiguous layout (a view); `causal=True`: the load-balanced layout that
@@ -88,7 +92,9 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())
 
 
-def gather(x: torch.Tensor, group=None, *, dim: int = 1, causal: bool = False) -> torch.Tensor:
+def gather(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, *, dim: int = 1, causal: bool = False
+) -> torch.Tensor:
     """The full sequence from every rank's shard `x` along `dim`: the inverse of `shard`, on every
     rank. Shards may differ in length along `dim` in the contiguous layout; all other dims, the
     dtype and the device kind must agree. Collective (every rank calls it); not differentiable
