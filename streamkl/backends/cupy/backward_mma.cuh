@@ -178,11 +178,10 @@ __global__ void __launch_bounds__(128) kl_backward_dq_mma(const KLParams p) {
     const input_t* k2_head = reinterpret_cast<const input_t*>(p.k2) + seq * p.k2_b + (head / p.group2) * p.k2_h +
                              (long long)span.k_start * p.k2_n;
 
-    const int count = reinterpret_cast<const int*>(p.sched_count)[seq * p.count_s + head * p.count_h +
-                                                                   tile * p.count_t];
-    const long long list = seq * p.index_s + head * p.index_h + tile * p.index_t;
-    const int* kv_index = reinterpret_cast<const int*>(p.sched_index) + list;
-    const signed char* kv_partial = reinterpret_cast<const signed char*>(p.sched_partial) + list;
+    const Visits visits = schedule_visits(p, seq, head, tile);
+    const int count = visits.count;
+    const int* kv_index = visits.index;
+    const signed char* kv_partial = visits.partial;
     const SideMasks masks = side_masks(p, seq, head);
 
     auto load_keys = [&](int visit) {
@@ -352,11 +351,10 @@ __global__ void __launch_bounds__(128) kl_backward_dk_mma(const KLParams p) {
                                  (long long)span.q_start * p.q1_n;
         const input_t* q2_head = reinterpret_cast<const input_t*>(p.q2) + seq * p.q2_b + head * p.q2_h +
                                  (long long)span.q_start * p.q2_n;
-        const int count = reinterpret_cast<const int*>(p.sched_count)[seq * p.count_s + head * p.count_h +
-                                                                       k_tile * p.count_t];
-        const long long list = seq * p.index_s + head * p.index_h + k_tile * p.index_t;
-        const int* q_index = reinterpret_cast<const int*>(p.sched_index) + list;
-        const signed char* q_partial = reinterpret_cast<const signed char*>(p.sched_partial) + list;
+        const Visits visits = schedule_visits(p, seq, head, k_tile);
+        const int count = visits.count;
+        const int* q_index = visits.index;
+        const signed char* q_partial = visits.partial;
         const SideMasks masks = side_masks(p, seq, head);
 
         auto load_queries = [&](int visit) {

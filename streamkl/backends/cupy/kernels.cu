@@ -117,6 +117,23 @@ struct SeqSpan {
     int q_start, len_q, k_start, len_k;
 };
 
+// One (sequence, head, tile)'s list in the tile schedule: how many tiles it visits, their indices
+// and partial flags (the key tiles of a query tile, or the query tiles of a key tile).
+struct Visits {
+    int count;
+    const int* index;
+    const signed char* partial;
+};
+
+SK_DEVICE Visits schedule_visits(const KLParams& p, int seq, int head, int tile) {
+    const long long list = seq * p.index_s + head * p.index_h + tile * p.index_t;
+    Visits visits;
+    visits.count = reinterpret_cast<const int*>(p.sched_count)[seq * p.count_s + head * p.count_h + tile * p.count_t];
+    visits.index = reinterpret_cast<const int*>(p.sched_index) + list;
+    visits.partial = reinterpret_cast<const signed char*>(p.sched_partial) + list;
+    return visits;
+}
+
 SK_DEVICE SeqSpan seq_span(const KLParams& p, int seq) {
     SeqSpan span;
     if (p.varlen) {
@@ -244,11 +261,10 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_forward(const KLPara
     const input_t* k1_head = reinterpret_cast<const input_t*>(p.k1) + seq * p.k1_b + head_k1 * p.k1_h;
     const input_t* k2_head = reinterpret_cast<const input_t*>(p.k2) + seq * p.k2_b + head_k2 * p.k2_h;
 
-    const int count = reinterpret_cast<const int*>(p.sched_count)[seq * p.count_s + head * p.count_h +
-                                                                   tile * p.count_t];
-    const long long list = seq * p.index_s + head * p.index_h + tile * p.index_t;
-    const int* kv_index = reinterpret_cast<const int*>(p.sched_index) + list;
-    const signed char* kv_partial = reinterpret_cast<const signed char*>(p.sched_partial) + list;
+    const Visits visits = schedule_visits(p, seq, head, tile);
+    const int count = visits.count;
+    const int* kv_index = visits.index;
+    const signed char* kv_partial = visits.partial;
     const SideMasks masks = side_masks(p, seq, head);
 
     const float neg_inf = -sk_inf();
@@ -491,11 +507,10 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_backward_dq(const KL
     float lse1, lse2, expect, g;
     row_statistics(p, seq, head, span.q_start + i, i < span.len_q, lse1, lse2, expect, g);
 
-    const int count = reinterpret_cast<const int*>(p.sched_count)[seq * p.count_s + head * p.count_h +
-                                                                   tile * p.count_t];
-    const long long list = seq * p.index_s + head * p.index_h + tile * p.index_t;
-    const int* kv_index = reinterpret_cast<const int*>(p.sched_index) + list;
-    const signed char* kv_partial = reinterpret_cast<const signed char*>(p.sched_partial) + list;
+    const Visits visits = schedule_visits(p, seq, head, tile);
+    const int count = visits.count;
+    const int* kv_index = visits.index;
+    const signed char* kv_partial = visits.partial;
     const SideMasks masks = side_masks(p, seq, head);
 
     for (int visit = 0; visit < count; ++visit) {
@@ -597,11 +612,10 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_backward_dk(const KL
         const input_t* q1_head = reinterpret_cast<const input_t*>(p.q1) + seq * p.q1_b + head * p.q1_h;
         const input_t* q2_head = reinterpret_cast<const input_t*>(p.q2) + seq * p.q2_b + head * p.q2_h;
 
-        const int count = reinterpret_cast<const int*>(p.sched_count)[seq * p.count_s + head * p.count_h +
-                                                                       k_tile * p.count_t];
-        const long long list = seq * p.index_s + head * p.index_h + k_tile * p.index_t;
-        const int* q_index = reinterpret_cast<const int*>(p.sched_index) + list;
-        const signed char* q_partial = reinterpret_cast<const signed char*>(p.sched_partial) + list;
+        const Visits visits = schedule_visits(p, seq, head, k_tile);
+        const int count = visits.count;
+        const int* q_index = visits.index;
+        const signed char* q_partial = visits.partial;
         const SideMasks masks = side_masks(p, seq, head);
 
         for (int visit = 0; visit < count; ++visit) {
