@@ -51,6 +51,13 @@ def _kernels():
     return indexer_kernels
 
 
+def _backward_kernels():
+    _kernels()
+    from streamkl.backends.triton import indexer_backward
+
+    return indexer_backward
+
+
 def not_supported_reasons(problem) -> list[str]:
     """Why the Triton kernels cannot serve `problem`; empty when they can."""
     reasons = []
@@ -106,8 +113,17 @@ def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -
     index = stages * block_m * block_e * size + block_n * block_e * size  # qi tiles, the key tile's ki
     if kernel == "backward":
         teacher += block_n * block_e * size  # the program's ki tile stays loaded throughout
-        index += block_m * block_e * 4 + block_m * block_n * size  # dqi's float32 reduction tile, dz's operand
+        # G's float32 reduction tile, the two dz operands (dqi's and dki's)
+        index += block_m * block_e * 4 + 2 * block_m * block_n * size
     return max(teacher, index) + SHARED_SLACK
+
+
+# (BLOCK_M, BLOCK_N, warps), largest first. The backward's key tile is its wide side: G's
+# reductions are per (query tile, key tile, indexer head), so their traffic falls with BLOCK_N.
+_LADDERS = {
+    "lse": _TILE_LADDER, "forward": _TILE_LADDER,
+    "backward": ((64, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4)),
+}
 
 
 def config(problem, kernel: str, budget: int | None = None) -> dict:
@@ -115,9 +131,10 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
     largest tiles, then the deepest pipeline, whose shared memory fits `budget` bytes (default:
     what the problem's device allows)."""
     budget = shared_budget(problem.device) if budget is None else budget
-    wide = _pow2(problem.dim) > 128
-    ladder = _TILE_LADDER[1:] if wide else _TILE_LADDER
-    # (sm_90a builds: none spills in the forward and lse kernels; the backward's 255 registers spill 32-60 B)
+    ladder = _LADDERS[kernel]
+    if _pow2(problem.dim) > 128 and kernel != "backward":
+        ladder = ladder[1:]
+    # (sm_90a builds: none spills in the forward and lse kernels)
     for block_m, block_n, warps in ladder:
         block_m, block_n = _fit(block_m, problem.seqlen_q), _fit(block_n, problem.seqlen_k)
         for stages in (2, 1):
@@ -298,9 +315,37 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
     return loss, head_lse, index_lse
 
 
+def slab_rows(problem, block_m: int) -> int:
+    """Rows of one row range of the backward's launches (two ranges per launch): the workspace of
+    both (float32 G and dw, Hi (Di + 1) words a row) stays within 6 bytes per (row, teacher head)
+    of the problem (the saved lse take 4, dki's float32 accumulator 4 Di / H), and never below
+    two query tiles a range."""
+    rows = problem.total_q if problem.is_varlen else problem.batch * problem.seqlen_q
+    per_row = problem.index_heads * (_padded_width(problem.index_dim) + 1) * 4
+    fit = 6 * problem.heads * rows // per_row // 2
+    return max(2 * block_m, fit // block_m * block_m)
+
+
+def _padded_width(index_dim: int) -> int:
+    """G's row width in float32 words: a multiple of 4, so that its rows start on 16 bytes."""
+    return -(-index_dim // 4) * 4
+
+
+def row_ranges(total: int, size: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The backward's launches: [0, total) in ranges of `size` rows, paired first with last,
+    second with second to last...: causal work grows with the row, so every launch gets about the
+    same. An unpaired middle range goes with an empty one."""
+    ranges = [(start, min(start + size, total)) for start in range(0, total, size)]
+    launches = []
+    for first in range((len(ranges) + 1) // 2):
+        last = len(ranges) - 1 - first
+        launches.append((ranges[first], ranges[last] if last != first else (0, 0)))
+    return launches
+
+
 def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows):
     """(dqi, dki, dw) in the input dtype; see DSA_INTERFACE.md."""
-    kernels = _kernels()
+    kernels, backward_kernels = _kernels(), _backward_kernels()
     w = _last_contiguous(w)
     head_lse, index_lse = _last_contiguous(head_lse), index_lse.contiguous()
     grad_rows = grad_rows.float().contiguous()
@@ -308,50 +353,64 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     varlen = problem.is_varlen
     cfg = config(problem, "backward")
     q_tiles, k_tiles = _tiles(problem, cfg)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     spare = _placeholder(device)
     sel, table = spare, spare
     if problem.topk > 0:
-        sel, (table,) = selection(problem, topk_indices, [(cfg["BLOCK_M"], cfg["BLOCK_N"])])
+        sel, (table,) = selection(problem, topk_indices, [(block_m, block_n)])
     sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
-    # float32 accumulation buffer of dqi's atomics, rows padded to 16 bytes for the reductions
-    width = -(-problem.index_dim // 4) * 4
-    dqi = torch.zeros((*qi.shape[:-1], width), dtype=torch.float32, device=device)[..., : problem.index_dim]
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=device)
-    dki = torch.zeros(ki.shape, dtype=ki.dtype, device=device)
-    if varlen:
-        grad_strides = [0, dqi.stride(0), dqi.stride(1), 0, dki.stride(0), 0, dw.stride(0)]
-    else:
-        grad_strides = [dqi.stride(0), dqi.stride(1), dqi.stride(2), dki.stride(0), dki.stride(1), dw.stride(0),
-                        dw.stride(1)]
+    rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
+    hi_, di = problem.index_heads, problem.index_dim
+    dqi = torch.zeros(qi.shape, dtype=qi.dtype, device=device)
+    dw = torch.zeros(w.shape, dtype=w.dtype, device=device)
+    dki = torch.zeros(ki.shape, dtype=torch.float32, device=device)
+    size = slab_rows(problem, block_m)
+    # workspace: the two ranges, a tile of spare rows before and after (whole tiles add to them)
+    ws_rows = 2 * size + 2 * block_m
+    g = torch.empty((ws_rows, hi_, _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
+    gw = torch.empty((ws_rows, hi_), dtype=torch.float32, device=device)
     cu_q, cu_k = _sequence_args(problem, device)
-    block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
-    if k_tiles * problem.batch > 0 and q_tiles > 0:
-        rows, cols = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        _launch(kernels._backward_kernel, (k_tiles * problem.batch,), (
-            _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
-            _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
-            w, head_lse, index_lse, grad_rows, _descriptor(dqi, varlen, rows, block_e), dqi, dki, dw,
-            sel, table, cu_q, cu_k,
-            0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
-            0 if varlen else problem.seqlen_q, sel_stride, *grad_strides,
+    block_d, block_e = _pow2(problem.dim), _pow2(di)
+    if k_tiles * problem.batch == 0 or q_tiles == 0 or rows_total == 0:
+        return dqi, dki.to(ki.dtype), dw
+    descriptors = (_descriptor(q, varlen, block_m, block_d), _descriptor(k, varlen, block_n, block_d),
+                   _descriptor(qi, varlen, block_m, block_e), _descriptor(ki, varlen, block_n, block_e))
+    g_descriptor = _descriptor(g, True, block_m, block_e)
+    strides = (0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
+               0 if varlen else problem.seqlen_q, sel_stride, g.stride(0), g.stride(1), gw.stride(0),
+               0 if varlen else dki.stride(0), dki.stride(-2))
+    constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
+    for (lo0, hi0), (lo1, hi1) in row_ranges(rows_total, size):
+        base0, base1 = block_m, block_m + (hi0 - lo0)
+        g.zero_()
+        gw.zero_()
+        _launch(backward_kernels._backward_kernel, (k_tiles * problem.batch, 2), (
+            *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, gw, dki, sel, table, cu_q, cu_k,
+            *strides, lo0, hi0, base0, lo1, hi1, base1,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
-            problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
-        ), dict(INDEX_DIM=problem.index_dim, BLOCK_E=block_e, **_constants(problem, cfg)))
-    return dqi.to(qi.dtype).contiguous(), dki, dw.to(w.dtype)
+            hi_, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
+        ), constants)
+        for lo, hi, base in ((lo0, hi0, base0), (lo1, hi1, base1)):
+            if hi > lo:
+                backward_kernels._finish_rows_kernel[(hi - lo,)](
+                    g, gw, w, dqi, dw, lo, base, max(problem.seqlen_q, 1), hi_,
+                    g.stride(0), g.stride(1), gw.stride(0), 0 if varlen else w.stride(0), w.stride(-2),
+                    INDEX_DIM=di, BLOCK_H=_pow2(hi_), BLOCK_E=block_e, VARLEN=varlen, num_warps=4)
+    return dqi, dki.to(ki.dtype), dw
 
 
 def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: int = 128, index_dim: int = 128,
                        causal: bool = True, topk: int = 0, varlen: bool = False):
-    """One kernel ("lse", "forward", "backward") compiled for sm_90a without a GPU, at the tile
+    """One kernel ("lse", "forward", "backward", "finish") compiled for sm_90a without a GPU, at the tile
     sizes `config` picks for a long sequence on an H100 / H200; returns the compiled kernel (.asm:
     ptx, cubin; .metadata.shared: its shared memory in bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernels = _kernels()
+    kernels, backward_kernels = _kernels(), _backward_kernels()
     fn = {"lse": kernels._head_lse_kernel, "forward": kernels._forward_kernel,
-          "backward": kernels._backward_kernel}[kernel]
+          "backward": backward_kernels._backward_kernel, "finish": backward_kernels._finish_rows_kernel}[kernel]
 
     class _Shape:  # the fields `config` reads
         pass
@@ -359,13 +418,14 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
     shape = _Shape()
     shape.dim, shape.index_dim, shape.dtype, shape.device = dim, index_dim, dtype, torch.device("cpu")
     shape.seqlen_q = shape.seqlen_k = 1 << 15
-    cfg = config(shape, kernel)
+    cfg = config(shape, "backward" if kernel == "finish" else kernel)
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     descriptors = {"Q_DESC": (element, "BLOCK_M", "BLOCK_D"), "K_DESC": (element, "BLOCK_N", "BLOCK_D"),
                    "QI_DESC": (element, "BLOCK_M", "BLOCK_E"), "KI_DESC": (element, "BLOCK_N", "BLOCK_E"),
-                   "DQI_DESC": ("fp32", "BLOCK_M", "BLOCK_E")}
-    pointers = {"W": element, "DKI": element, "SEL": "i32", "CU_Q": "i32", "CU_K": "i32", "TILES": "u8"}
-    constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), CAUSAL=causal,
+                   "G_DESC": ("fp32", "BLOCK_M", "BLOCK_E")}
+    pointers = {"W": element, "DQI": element, "DW": element, "SEL": "i32", "CU_Q": "i32", "CU_K": "i32",
+                "TILES": "u8"}
+    constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), BLOCK_H=64, CAUSAL=causal,
                      VARLEN=varlen, TOPK=topk > 0, IEEE=dtype == torch.float32, INTERPRET=False,
                      STEPS_K=max(topk, 1).bit_length(), STEPS_N=cfg["BLOCK_N"].bit_length(),
                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
@@ -388,5 +448,5 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
                and name not in descriptors]
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in used.items()},
                        attrs={tuple(i): [["tt.divisibility", 16]] for i in aligned})
-    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    options = {"num_warps": 4 if kernel == "finish" else cfg["num_warps"], "num_stages": cfg["num_stages"]}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

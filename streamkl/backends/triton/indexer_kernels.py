@@ -1,4 +1,5 @@
-"""Triton kernels of the DSA indexer loss (SPEC 8): teacher lse, forward statistics, backward.
+"""Triton kernels of the DSA indexer loss (SPEC 8): teacher lse and forward statistics (the
+backward is in `indexer_backward.py`).
 
 Scores work in base 2 (`exp2`, scores times `scale * log2(e)`); statistics are written in natural
 logs. Every kernel walks (query tile, key tile) pairs of one sequence and builds the tile's mask
@@ -245,78 +246,3 @@ def _forward_kernel(
         b_loss = tl.where(b_l == b_l, b_loss, float("nan"))
         tl.store(LOSS + seq64 * stride_rb + q_start + o_i, b_loss, mask=m_i)
         tl.store(INDEX_LSE + seq64 * stride_rb + q_start + o_i, b_lse, mask=m_i)
-
-
-@triton.jit
-def _backward_kernel(
-    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, DQI_DESC, DQI, DKI, DW, SEL, TILES, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb,
-    stride_dqb, stride_dqn, stride_dqh, stride_dkb, stride_dkn, stride_dwb, stride_dwn,
-    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
-    BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
-):
-    """One program per (key tile, sequence), over the query tiles that see it: dz = g (S - T) per
-    tile, dki accumulated in registers, dqi (float32, by tensor-memory reductions) and dw added
-    atomically."""
-    # key tile 0 sees the most query tiles under causality: natural order starts the longest first
-    k_tile = tl.program_id(0) % k_tiles
-    seq = tl.program_id(0) // k_tiles
-    q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
-    desc_b = _descriptor_batch(seq, VARLEN)
-    o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_j = o_j < len_k
-    o_e = tl.arange(0, BLOCK_E)
-    seq64 = seq.to(tl.int64)
-    if k_tile * BLOCK_N < len_k:
-        k_row = k_start + k_tile * BLOCK_N
-        W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
-        HEAD_LSE += seq64 * stride_lb + q_start
-        DW += seq64 * stride_dwb + q_start.to(tl.int64) * stride_dwn
-        # packed keys past the sequence (the next one's) read as 0: no NaN leaks across sequences
-        b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
-        if VARLEN:
-            b_ki = tl.where(m_j[:, None], b_ki, 0.0).to(b_ki.dtype)
-        b_dki = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-        q_first = 0
-        if CAUSAL:
-            q_first = tl.maximum(k_tile * BLOCK_N - (len_k - len_q), 0) // BLOCK_M
-        for q_tile in tl.range(q_first, tl.cdiv(len_q, BLOCK_M)):
-            active = True
-            if TOPK:
-                active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
-            if active:
-                o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_i = o_i < len_q
-                q_row = q_start + q_tile * BLOCK_M
-                p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
-                b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
-                                     heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
-                b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,
-                                    BLOCK_N, BLOCK_E, IEEE, INTERPRET)
-                b_lse = tl.load(INDEX_LSE + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0) * LOG2E
-                b_g = tl.load(GRAD + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0)
-                b_p = tl.exp2(b_z * LOG2E - b_lse[:, None])
-                b_dz = tl.where(m_ij, b_g[:, None] * (b_p - b_t), 0.0)  # [BM, BN]
-                for t in tl.range(0, index_heads):
-                    b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
-                    if VARLEN:
-                        b_qi = tl.where(m_i[:, None], b_qi, 0.0).to(b_qi.dtype)
-                    b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
-                    b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)
-                    tl.atomic_add(DW + o_i * stride_dwn + t, tl.sum(b_dz * _relu(b_r), axis=1), mask=m_i,
-                                  sem="relaxed")
-                    b_dr = tl.where(b_r > 0.0, b_dz * b_w[:, None], 0.0).to(b_qi.dtype)  # [BM, BN]
-                    b_dki += _mm(tl.trans(b_dr), b_qi, IEEE, INTERPRET)
-                    b_dqi = _mm(b_dr, b_ki, IEEE, INTERPRET)  # [BM, BE], 0 on rows outside the sequence
-                    if INTERPRET:
-                        p_dqi = DQI + (seq64 * stride_dqb + (q_start + o_i).to(tl.int64) * stride_dqn
-                                       + t * stride_dqh)[:, None] + o_e[None, :]
-                        tl.atomic_add(p_dqi, b_dqi, mask=m_i[:, None] & (o_e[None, :] < INDEX_DIM), sem="relaxed")
-                    else:
-                        DQI_DESC.atomic_add([desc_b, q_row, t, 0], b_dqi.reshape([1, BLOCK_M, 1, BLOCK_E]))
-        DKI += seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkn
-        tl.store(DKI + o_j[:, None] * stride_dkn + o_e[None, :], b_dki.to(DKI.dtype.element_ty),
-                 mask=m_j[:, None] & (o_e[None, :] < INDEX_DIM))
