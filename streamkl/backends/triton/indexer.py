@@ -316,13 +316,13 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
 
 
 def slab_rows(problem, block_m: int) -> int:
-    """Rows of one row range of the backward's launches (two ranges per launch): the workspace of
-    both (float32 G and dw, Hi (Di + 1) words a row) stays within 6 bytes per (row, teacher head)
-    of the problem (the saved lse take 4, dki's float32 accumulator 4 Di / H), and never below
-    two query tiles a range."""
+    """Rows of one row range of the backward's launches (two ranges per launch). Memory besides
+    the gradients, per (row, teacher head): the saved teacher lse 4 bytes, dki's float32
+    accumulator 4 Di / H (8 at H = 64, Di = 128), and this workspace (float32 G and dw, Hi (Di + 1)
+    words a row) at most 4, never below two query tiles a range."""
     rows = problem.total_q if problem.is_varlen else problem.batch * problem.seqlen_q
     per_row = problem.index_heads * (_padded_width(problem.index_dim) + 1) * 4
-    fit = 6 * problem.heads * rows // per_row // 2
+    fit = 4 * problem.heads * rows // per_row // 2
     return max(2 * block_m, fit // block_m * block_m)
 
 
@@ -343,15 +343,19 @@ def row_ranges(total: int, size: int) -> list[tuple[tuple[int, int], tuple[int, 
     return launches
 
 
-def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows):
-    """(dqi, dki, dw) in the input dtype; see DSA_INTERFACE.md."""
-    kernels, backward_kernels = _kernels(), _backward_kernels()
+def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows, *,
+             tiles: tuple[int, int, int] | None = None):
+    """(dqi, dki, dw) in the input dtype; see DSA_INTERFACE.md. `tiles` (BLOCK_M, BLOCK_N, warps)
+    replaces `config`'s choice (A/B timing in tools/time_indexer_triton.py)."""
+    backward_kernels = _backward_kernels()
     w = _last_contiguous(w)
     head_lse, index_lse = _last_contiguous(head_lse), index_lse.contiguous()
     grad_rows = grad_rows.float().contiguous()
     device = q.device
     varlen = problem.is_varlen
     cfg = config(problem, "backward")
+    if tiles is not None:
+        cfg = dict(cfg, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2])
     q_tiles, k_tiles = _tiles(problem, cfg)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     spare = _placeholder(device)
@@ -367,8 +371,8 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     size = slab_rows(problem, block_m)
     # workspace: the two ranges, a tile of spare rows before and after (whole tiles add to them)
     ws_rows = 2 * size + 2 * block_m
-    g = torch.empty((ws_rows, hi_, _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
-    gw = torch.empty((ws_rows, hi_), dtype=torch.float32, device=device)
+    g = torch.zeros((ws_rows, hi_, _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
+    gw = torch.zeros((ws_rows, hi_), dtype=torch.float32, device=device)
     cu_q, cu_k = _sequence_args(problem, device)
     block_d, block_e = _pow2(problem.dim), _pow2(di)
     if k_tiles * problem.batch == 0 or q_tiles == 0 or rows_total == 0:
@@ -382,8 +386,6 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
     for (lo0, hi0), (lo1, hi1) in row_ranges(rows_total, size):
         base0, base1 = block_m, block_m + (hi0 - lo0)
-        g.zero_()
-        gw.zero_()
         _launch(backward_kernels._backward_kernel, (k_tiles * problem.batch, 2), (
             *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, gw, dki, sel, table, cu_q, cu_k,
             *strides, lo0, hi0, base0, lo1, hi1, base1,

@@ -10,9 +10,9 @@ recomputes r = qi_t . ki and adds
     dki[j]  += sum_i dz[i, j] w_t[i] 1[r > 0] qi_t[i]     (in registers, flushed once per program)
 
 G and dw go by float32 reductions into a workspace that holds only a slab of rows: the host runs
-the backward slab by slab (two row ranges per launch, one from each end of the rows, so that a
-causal launch has the same work in every launch), and `_finish_rows_kernel` turns each slab's
-workspace into dqi and dw in the input dtype.
+the backward slab by slab (two row ranges per launch, one from each end of the rows, so that
+every causal launch has about the same work), and `_finish_rows_kernel` turns each slab's
+workspace into dqi and dw in the input dtype and zeroes it for the next launch.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def _finish_rows_kernel(
     stride_gr, stride_gh, stride_gwr, stride_wb, stride_wn,
     INDEX_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """dqi = w * G and dw of flat row `lo + program id` from the workspace (dqi, dw contiguous)."""
+    """dqi = w * G and dw of flat row `lo + program id` from the workspace (dqi, dw contiguous);
+    the row's workspace is zeroed again for the next launch."""
     row = lo + tl.program_id(0)
     if VARLEN:
         p_w = W + row.to(tl.int64) * stride_wn
@@ -134,9 +135,12 @@ def _finish_rows_kernel(
     o_e = tl.arange(0, BLOCK_E)
     m_h = o_h < index_heads
     m_he = m_h[:, None] & (o_e[None, :] < INDEX_DIM)
-    b_g = tl.load(G + ws * stride_gr + o_h[:, None] * stride_gh + o_e[None, :], mask=m_he, other=0.0)
+    p_g = G + ws * stride_gr + o_h[:, None] * stride_gh + o_e[None, :]
+    b_g = tl.load(p_g, mask=m_he, other=0.0)
     b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_gw = tl.load(GW + ws * stride_gwr + o_h, mask=m_h, other=0.0)
+    tl.store(p_g, tl.zeros([BLOCK_H, BLOCK_E], tl.float32), mask=m_he)
+    tl.store(GW + ws * stride_gwr + o_h, tl.zeros([BLOCK_H], tl.float32), mask=m_h)
     row64 = row.to(tl.int64)
     p_dqi = DQI + row64 * index_heads * INDEX_DIM + o_h[:, None] * INDEX_DIM + o_e[None, :]
     tl.store(p_dqi, (b_w[:, None] * b_g).to(DQI.dtype.element_ty), mask=m_he)
