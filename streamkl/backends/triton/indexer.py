@@ -10,12 +10,16 @@ Nq x Nk ever stored:
   logits z (the indexer key tile loaded once, the indexer heads loop inside), then per row the
   online lse of z, a = sum T log T and b = sum T z; loss = a - b + lse(z). Saves lse(z) (4 B per
   row) next to the teacher's per-head lse (4 B per row and head);
-- backward: one program per (key tile, sequence) over the query tiles that see it: T and z
-  recomputed, dz = g (S - T), then per indexer head its products recomputed, dki accumulated in
-  registers (it is shared by the heads, so the key side is the one kept local), dqi and dw added
-  atomically into float32 buffers. A second, query-major kernel for dqi would be deterministic but
-  would recompute T and z once more (two of the backward's five products); dqi's atomics are the
-  same traffic per product as FlashAttention 2's dq.
+- backward (`indexer_backward.py`): key-major, one program per (key tile, sequence, row range)
+  over the query tiles of its row range that see the key tile: T and z recomputed, dz = g (S - T),
+  then per indexer head r recomputed, dki accumulated in registers (flushed once per program into
+  a float32 accumulator), and per (query tile, head) G = sum_j dz 1[r > 0] ki (dqi = w G) and dw
+  added by float32 reductions into a workspace that holds the launch's rows only. The rows go in
+  launches of two ranges (one from each end: equal causal work per launch), each followed by a
+  finishing kernel that writes the range's dqi and dw. Key tiles of 128 keys: G's reduction
+  traffic is per (query tile, key tile, head), so it falls with the key tile. A query-major
+  backward would keep dqi in registers but needs Hi x Di float32 per row (32 KB at 64 x 128):
+  no tile of rows large enough for the teacher's products fits.
 
 Top-k stage: the same kernels with the selection as part of the mask. Each row's indices are
 sorted and deduplicated once per call (O(N K), a buffer the size of `topk_indices`); a
@@ -240,7 +244,7 @@ def _constants(problem, cfg: dict) -> dict:
     return dict(
         BLOCK_D=_pow2(problem.dim), CAUSAL=problem.causal, VARLEN=problem.is_varlen, TOPK=problem.topk > 0,
         IEEE=problem.dtype == torch.float32, INTERPRET=_interpreting(), STEPS_K=max(problem.topk, 1).bit_length(),
-        STEPS_N=cfg["BLOCK_N"].bit_length(), **cfg,
+        **cfg,
     )
 
 
@@ -429,7 +433,7 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
                 "TILES": "u8"}
     constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), BLOCK_H=64, CAUSAL=causal,
                      VARLEN=varlen, TOPK=topk > 0, IEEE=dtype == torch.float32, INTERPRET=False,
-                     STEPS_K=max(topk, 1).bit_length(), STEPS_N=cfg["BLOCK_N"].bit_length(),
+                     STEPS_K=max(topk, 1).bit_length(),
                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     signature = {}
     for name in fn.arg_names:

@@ -41,7 +41,7 @@ def _backward_kernel(
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
     BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
 ):
     """One program per (key tile, sequence, row range): the row range is flat rows [lo, hi) (batch
     entry b's row i is b * seqlen_q + i; packed rows as they are), its workspace rows start at
@@ -83,7 +83,7 @@ def _backward_kernel(
                 m_i = (o_i >= r0) & (o_i < r1)
                 q_row = q_start + q_tile * BLOCK_M
                 p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
+                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K)
                 m_ij = m_ij & m_i[:, None]
                 b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                                      heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)

@@ -69,44 +69,53 @@ def _mm(b_a, b_b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _selected(p_sel, topk, o_i, o_j, BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr):
-    """[BM, BN] bool: key o_j[c] is in row r's sorted selection (p_sel: [BM] pointers to row starts).
-
-    A row-level lower bound of the tile's first key, then a per-(row, key) lower bound inside the
-    next BLOCK_N entries (at most BLOCK_N distinct selected keys can fall in a tile)."""
-    first = tl.min(o_j, axis=0)
-    lo = o_i * 0
-    hi = lo + topk
+def _lower_bound(p_sel, hi, target, STEPS_K: tl.constexpr):
+    """[BM] int32: in each row's sorted selection p_sel[r][0 : hi[r]], the first slot whose key is
+    >= target (a scalar)."""
+    lo = hi * 0
     for _ in tl.static_range(STEPS_K):
         live = lo < hi
         mid = (lo + hi) // 2
         value = tl.load(p_sel + mid, mask=live, other=0)
-        right = live & (value < first)
+        right = live & (value < target)
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(right | (~live), hi, mid)
-    b_lo = lo[:, None] + tl.zeros([1, BLOCK_N], tl.int32)  # [BM, BN]
-    b_hi = tl.minimum(b_lo + BLOCK_N, topk)
-    target = o_j[None, :]
-    for _ in tl.static_range(STEPS_N):
-        live = b_lo < b_hi
-        mid = (b_lo + b_hi) // 2
-        value = tl.load(p_sel[:, None] + mid, mask=live, other=0)
-        right = live & (value < target)
-        b_lo = tl.where(right, mid + 1, b_lo)
-        b_hi = tl.where(right | (~live), b_hi, mid)
-    found = tl.load(p_sel[:, None] + b_lo, mask=b_lo < topk, other=-1)
-    return found == target
+    return lo
+
+
+@triton.jit
+def _selected(p_sel, topk, m_row, o_j, BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr):
+    """[BM, BN] bool: key o_j[c] is in row r's sorted selection (p_sel: [BM] pointers to row starts;
+    rows off m_row select nothing and read nothing).
+
+    The row's keys in the tile are the slots [lo, hi) of its selection (two binary searches); they
+    are set as bits of two 64-bit words per row ([BM] work per key), expanded once to the tile."""
+    first = tl.min(o_j, axis=0)
+    end = tl.where(m_row, topk, 0)
+    lo = _lower_bound(p_sel, end, first, STEPS_K)
+    count = _lower_bound(p_sel, end, first + BLOCK_N, STEPS_K) - lo
+    bits_lo = (lo * 0).to(tl.int64)  # keys first + [0, 64)
+    bits_hi = (lo * 0).to(tl.int64)  # keys first + [64, 128)
+    for c in tl.range(0, tl.max(count, axis=0)):
+        live = c < count
+        key = tl.load(p_sel + lo + c, mask=live, other=first) - first  # [BM], in [0, BLOCK_N)
+        bit = tl.where(live, 1, 0).to(tl.int64) << (key & 63).to(tl.int64)
+        bits_lo |= tl.where(key < 64, bit, 0)
+        bits_hi |= tl.where(key < 64, 0, bit)
+    rel = o_j - first  # [BN]
+    word = tl.where(rel[None, :] < 64, bits_lo[:, None], bits_hi[:, None])  # [BM, BN]
+    return ((word >> (rel & 63).to(tl.int64)[None, :]) & 1) != 0
 
 
 @triton.jit
 def _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL: tl.constexpr, TOPK: tl.constexpr,
-             BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr):
+             BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr):
     """[BM, BN] bool: the keys each row ranges over (sequence bounds, causality, selection)."""
     m_ij = (o_i[:, None] < len_q) & (o_j[None, :] < len_k)
     if CAUSAL:
         m_ij = m_ij & (o_j[None, :] <= o_i[:, None] + (len_k - len_q))
     if TOPK:
-        m_ij = m_ij & _selected(p_sel, topk, o_i, o_j, BLOCK_N, STEPS_K, STEPS_N)
+        m_ij = m_ij & _selected(p_sel, topk, o_i < len_q, o_j, BLOCK_N, STEPS_K)
     return m_ij
 
 
@@ -154,7 +163,7 @@ def _head_lse_kernel(
     seqlen_q, seqlen_k, heads, group, qk_scale, topk, q_tiles, k_tiles,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
 ):
     """The teacher's per-head lse over each row's allowed keys: one program per (query tile, seq * head)."""
     q_tile, rest = _tile_order(tl.program_id(0), q_tiles, CAUSAL)
@@ -179,7 +188,7 @@ def _head_lse_kernel(
                 active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
+                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K)
                 b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
                 b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
                 b_new = tl.maximum(b_m, tl.max(b_s, axis=1), propagate_nan=tl.PropagateNan.ALL)
@@ -198,7 +207,7 @@ def _forward_kernel(
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
 ):
     """Per row: lse of z, a = sum T log T, b = sum T z over the allowed keys; loss = a - b + lse(z).
     One program per (query tile, sequence), streaming its key tiles once."""
@@ -227,7 +236,7 @@ def _forward_kernel(
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
                 k_row = k_start + k_tile * BLOCK_N
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
+                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K)
                 b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                                      heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
                 b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
