@@ -19,5 +19,5 @@ run() {  # run NAME SECONDS COMMAND...: output to $OUT/NAME.log, a status line t
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/summary.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
 if python -c "import xdist" 2>/dev/null; then workers=(-n 8); else workers=(); fi
-run indexer_tests 75 python -m pytest -q -x -rfE --tb=short -p no:benchmark "${workers[@]}" tests/test_indexer_triton.py
-run indexer_timings 125 python tools/time_indexer_triton.py 8192 32768 --backward-tiles 128x64x8 64x64x8
+run indexer_tests 70 python -m pytest -q -x -rfE --tb=short -p no:benchmark "${workers[@]}" tests/test_indexer_triton.py
+run indexer_timings 130 python tools/time_indexer_triton.py 8192 32768 --forward-tiles 128x128x8 64x128x8 --backward-tiles 128x64x8 64x64x8

@@ -1,14 +1,16 @@
 """Time the Triton DSA indexer loss on the GPU next to the teacher's cuDNN SDPA forward.
 
-    PYTHONPATH=$PWD python tools/time_indexer_triton.py [--dims 128 192] [--backward-tiles 128x64x8 ...] [N ...]
+    PYTHONPATH=$PWD python tools/time_indexer_triton.py [--dims 128 192] [N ...]
+        [--forward-tiles BMxBNxW ...] [--backward-tiles BMxBNxW ...]
 
 B = 1, causal, bf16, teacher H = 64 (Hk = 64) D = 128 (and 192 when asked), indexer 64 heads x 128,
 top-k 2048: a random selection per row (scattered over the causal keys) and a local one (the last
 2048 keys). Prints milliseconds (median of CUDA-event timings): the forward with the teacher's lse
 computed and given, the backward, their ratio to the SDPA forward, the top-k stages' ratio to the
 dense stage, and the peak memory of a forward + backward above the inputs and the gradients, in
-bytes per (row, teacher head). `--backward-tiles BMxBNxWARPS ...` also times the dense backward at
-those tiles (A/B against the configured ones) at the largest N.
+bytes per (row, teacher head). `--forward-tiles` / `--backward-tiles BMxBNxWARPS ...` also time the
+dense forward (lse given) / backward at those tiles (A/B against the configured ones) at the
+largest N.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def measure(D: int, N: int) -> str:
     return line
 
 
-def backward_tiles(N: int, tiles: tuple[int, int, int], D: int = 128) -> str:
-    """The dense backward at N with the given (BLOCK_M, BLOCK_N, warps)."""
+def tiles_ab(N: int, kernel: str, tiles: tuple[int, int, int], D: int = 128) -> str:
+    """The dense forward (lse given) or backward at N with the given (BLOCK_M, BLOCK_N, warps)."""
     dev, dtype, H, Hi, Di = torch.device("cuda"), torch.bfloat16, 64, 64, 128
     q, k = (torch.randn(1, N, H, D, device=dev, dtype=dtype) for _ in range(2))
     qi = torch.randn(1, N, Hi, Di, device=dev, dtype=dtype)
@@ -98,23 +100,29 @@ def backward_tiles(N: int, tiles: tuple[int, int, int], D: int = 128) -> str:
     problem = Problem(1, N, N, H, H, D, Hi, Di, D**-0.5, True, 0, dtype, dev)
     loss, head_lse, index_lse = indexer.forward(problem, q, k, qi, ki, w, None, None)
     grad = torch.ones_like(loss)
-    t_bwd = timed(lambda: indexer.backward(problem, q, k, qi, ki, w, None, head_lse, index_lse, grad, tiles=tiles))
-    return f"D={D} N={N}: dense bwd at tiles {tiles}: {t_bwd:.2f} ms"
+    if kernel == "forward":
+        ms = timed(lambda: indexer.forward(problem, q, k, qi, ki, w, head_lse, None, tiles=tiles))
+    else:
+        ms = timed(lambda: indexer.backward(problem, q, k, qi, ki, w, None, head_lse, index_lse, grad, tiles=tiles))
+    what = "forward, lse given" if kernel == "forward" else "backward"
+    return f"D={D} N={N}: dense {what}, tiles {tiles}: {ms:.2f} ms"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("lengths", type=int, nargs="*", default=[8192, 32768])
     parser.add_argument("--dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--forward-tiles", nargs="*", default=[])
     parser.add_argument("--backward-tiles", nargs="*", default=[])
     args = parser.parse_args()
     for D in args.dims:
         for N in args.lengths:
             print(measure(D, N), flush=True)
             torch.cuda.empty_cache()
-    for text in args.backward_tiles:
-        print(backward_tiles(max(args.lengths), tuple(int(x) for x in text.split("x"))), flush=True)
-        torch.cuda.empty_cache()
+    for kernel, choices in (("forward", args.forward_tiles), ("backward", args.backward_tiles)):
+        for text in choices:
+            print(tiles_ab(max(args.lengths), kernel, tuple(int(x) for x in text.split("x"))), flush=True)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

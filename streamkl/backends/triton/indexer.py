@@ -266,8 +266,10 @@ def _tiles(problem, cfg: dict) -> tuple[int, int]:
     return -(-problem.seqlen_q // cfg["BLOCK_M"]), -(-problem.seqlen_k // cfg["BLOCK_N"])
 
 
-def forward(problem, q, k, qi, ki, w, lse, topk_indices):
-    """(loss_rows, head_lse, index_lse) float32; see DSA_INTERFACE.md."""
+def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, int, int] | None = None):
+    """(loss_rows, head_lse, index_lse) float32; see DSA_INTERFACE.md. `tiles` (BLOCK_M, BLOCK_N,
+    warps) replaces `config`'s choice for the forward kernel (A/B timing in
+    tools/time_indexer_triton.py)."""
     kernels = _kernels()
     w = _last_contiguous(w)
     device = q.device
@@ -276,6 +278,8 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
     lse_shape = (problem.heads, problem.total_q) if varlen else (problem.batch, problem.heads, problem.seqlen_q)
     loss, index_lse = _new(row_shape, device), _new(row_shape, device)
     cfg_lse, cfg_fwd = config(problem, "lse"), config(problem, "forward")
+    if tiles is not None:
+        cfg_fwd = dict(cfg_fwd, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2])
     spare = _placeholder(device)
     sel, tables = spare, [spare, spare]
     if problem.topk > 0:
