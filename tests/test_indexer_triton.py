@@ -222,6 +222,20 @@ def test_varlen(lens, tail, causal, topk, dtype):
         check(name, grad.float(), ref, grad_tol)
 
 
+@pytest.mark.parametrize("total, size", [(300, 128), (256, 128), (100, 128), (1000, 64)],
+                         ids=["T300-r128", "T256-r128", "T100-r128", "T1000-r64"])
+def test_backward_row_ranges_cover_rows_once(total, size):
+    """The backward's launches: every row in exactly one range, first paired with last."""
+    launches = triton_indexer.row_ranges(total, size)
+    covered = torch.zeros(total, dtype=torch.int32)
+    for pair in launches:
+        for lo, hi in pair:
+            assert 0 <= lo <= hi <= total and hi - lo <= size
+            covered[lo:hi] += 1
+    assert torch.equal(covered, torch.ones(total, dtype=torch.int32))
+    assert launches[0][0][0] == 0 and (len(launches) == 1 or launches[0][1][1] == total)
+
+
 def test_nan_input_propagates():
     q, k, qi, ki, w = inputs((1, 40), (1, 40), 2, 2, 16, 2, 16, torch.float32)
     qi[0, 30, 1, 3] = float("nan")

@@ -22,7 +22,7 @@ Nq x Nk ever stored:
   no tile of rows large enough for the teacher's products fits.
 
 Top-k stage: the same kernels with the selection as part of the mask. Each row's indices are
-sorted and deduplicated once per call (O(N K), a buffer the size of `topk_indices`); a
+sorted once per call (O(N K), a buffer the size of `topk_indices`); a
 (query tile, key tile) table marks the tiles some row selected, and the kernels skip the others.
 The work is proportional to the selected tiles: about the dense stage's for scattered selections,
 far less for local or clustered ones.
@@ -34,7 +34,7 @@ import os
 
 import torch
 
-BIG_INDEX = 1 << 30  # sorts after every key position; also marks unused and repeated slots
+BIG_INDEX = 1 << 30  # sorts after every key position; marks unusable slots
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DIM, MAX_INDEX_DIM, MAX_INDEX_HEADS, MAX_HEADS = 256, 128, 64, 128
@@ -175,9 +175,10 @@ def _rows_of_sequences(problem, rows: torch.Tensor):
 
 
 def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]]):
-    """Each row's selected keys sorted ascending, repeats and unusable slots (-1, outside the row's
-    sequence) replaced by BIG_INDEX: int32 [rows, K]; and per (BLOCK_M, BLOCK_N) in `shapes`, the
-    uint8 table [S, query tiles, key tiles] of the tiles some row selected a key of. No host sync."""
+    """Each row's selected keys sorted ascending, unusable slots (-1, outside the row's sequence)
+    replaced by BIG_INDEX: int32 [rows, K] (repeats stay: the kernels' membership test sets the
+    same bit twice); and per (BLOCK_M, BLOCK_N) in `shapes`, the uint8 table
+    [S, query tiles, key tiles] of the tiles some row selected a key of. No host sync."""
     device = topk_indices.device
     top = topk_indices.reshape(-1, problem.topk)
     rows_total = top.shape[0]
@@ -190,13 +191,10 @@ def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]]
     for start in range(0, rows_total, chunk):
         rows = torch.arange(start, min(start + chunk, rows_total), device=device)
         seq, pos, len_k, inside = _rows_of_sequences(problem, rows)
-        raw = top[start : start + len(rows)].long()
+        raw = top[start : start + len(rows)].to(torch.int32)
         bad = (raw < 0) | (raw >= len_k[:, None]) | ~inside[:, None]
         ordered = torch.sort(torch.where(bad, BIG_INDEX, raw), dim=1).values
-        repeat = torch.zeros_like(ordered, dtype=torch.bool)
-        repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
-        ordered = torch.sort(torch.where(repeat, BIG_INDEX, ordered), dim=1).values
-        sel[start : start + len(rows)] = ordered.to(torch.int32)
+        sel[start : start + len(rows)] = ordered
         usable = ordered < BIG_INDEX
         for (block_m, block_n), table in zip(shapes, tables):
             q_tiles, k_tiles = -(-problem.seqlen_q // block_m), -(-problem.seqlen_k // block_n)
