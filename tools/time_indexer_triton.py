@@ -1,16 +1,16 @@
 """Time the Triton DSA indexer loss on the GPU next to the teacher's cuDNN SDPA forward.
 
     PYTHONPATH=$PWD python tools/time_indexer_triton.py [--dims 128 192] [N ...]
-        [--forward-tiles BMxBNxW ...] [--backward-tiles BMxBNxW ...]
+        [--lse-tiles BMxBNxW ...] [--forward-tiles BMxBNxW ...] [--backward-tiles BMxBNxW ...]
 
 B = 1, causal, bf16, teacher H = 64 (Hk = 64) D = 128 (and 192 when asked), indexer 64 heads x 128,
 top-k 2048: a random selection per row (scattered over the causal keys) and a local one (the last
 2048 keys). Prints milliseconds (median of CUDA-event timings): the forward with the teacher's lse
 computed and given, the backward, their ratio to the SDPA forward, the top-k stages' ratio to the
 dense stage, and the peak memory of a forward + backward above the inputs and the gradients, in
-bytes per (row, teacher head). `--forward-tiles` / `--backward-tiles BMxBNxWARPS ...` also time the
-dense forward (lse given) / backward at those tiles (A/B against the configured ones) at the
-largest N.
+bytes per (row, teacher head). `--lse-tiles` / `--forward-tiles` / `--backward-tiles BMxBNxWARPS ...`
+also time the dense forward (lse computed at those tiles) / forward (lse given) / backward at those
+tiles (A/B against the configured ones) at the largest N.
 """
 
 from __future__ import annotations
@@ -100,11 +100,13 @@ def tiles_ab(N: int, kernel: str, tiles: tuple[int, int, int], D: int = 128) -> 
     problem = Problem(1, N, N, H, H, D, Hi, Di, D**-0.5, True, 0, dtype, dev)
     loss, head_lse, index_lse = indexer.forward(problem, q, k, qi, ki, w, None, None)
     grad = torch.ones_like(loss)
-    if kernel == "forward":
+    if kernel == "lse":  # the forward with the lse pass, at these tiles for the lse pass
+        ms = timed(lambda: indexer.forward(problem, q, k, qi, ki, w, None, None, lse_tiles=tiles))
+    elif kernel == "forward":
         ms = timed(lambda: indexer.forward(problem, q, k, qi, ki, w, head_lse, None, tiles=tiles))
     else:
         ms = timed(lambda: indexer.backward(problem, q, k, qi, ki, w, None, head_lse, index_lse, grad, tiles=tiles))
-    what = "forward, lse given" if kernel == "forward" else "backward"
+    what = {"lse": "forward, lse pass", "forward": "forward, lse given", "backward": "backward"}[kernel]
     return f"D={D} N={N}: dense {what}, tiles {tiles}: {ms:.2f} ms"
 
 
@@ -112,14 +114,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("lengths", type=int, nargs="*", default=[8192, 32768])
     parser.add_argument("--dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--skip-stages", action="store_true", help="only the tile alternatives")
+    parser.add_argument("--lse-tiles", nargs="*", default=[])
     parser.add_argument("--forward-tiles", nargs="*", default=[])
     parser.add_argument("--backward-tiles", nargs="*", default=[])
     args = parser.parse_args()
-    for D in args.dims:
+    for D in [] if args.skip_stages else args.dims:
         for N in args.lengths:
             print(measure(D, N), flush=True)
             torch.cuda.empty_cache()
-    for kernel, choices in (("forward", args.forward_tiles), ("backward", args.backward_tiles)):
+    for kernel, choices in (("lse", args.lse_tiles), ("forward", args.forward_tiles),
+                            ("backward", args.backward_tiles)):
         for text in choices:
             print(tiles_ab(max(args.lengths), kernel, tuple(int(x) for x in text.split("x"))), flush=True)
             torch.cuda.empty_cache()

@@ -125,7 +125,7 @@ def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -
 # (BLOCK_M, BLOCK_N, warps), largest first. The backward's key tile is its wide side: G's
 # reductions are per (query tile, key tile, indexer head), so their traffic falls with BLOCK_N.
 _LADDERS = {
-    "lse": _TILE_LADDER, "forward": _TILE_LADDER,
+    "lse": ((128, 128, 8),) + _TILE_LADDER, "forward": _TILE_LADDER,
     "backward": ((64, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4)),
 }
 
@@ -264,10 +264,11 @@ def _tiles(problem, cfg: dict) -> tuple[int, int]:
     return -(-problem.seqlen_q // cfg["BLOCK_M"]), -(-problem.seqlen_k // cfg["BLOCK_N"])
 
 
-def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, int, int] | None = None):
-    """(loss_rows, head_lse, index_lse) float32; see DSA_INTERFACE.md. `tiles` (BLOCK_M, BLOCK_N,
-    warps) replaces `config`'s choice for the forward kernel (A/B timing in
-    tools/time_indexer_triton.py)."""
+def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, int, int] | None = None,
+            lse_tiles: tuple[int, int, int] | None = None):
+    """(loss_rows, head_lse, index_lse) float32; see DSA_INTERFACE.md. `tiles` / `lse_tiles`
+    (BLOCK_M, BLOCK_N, warps) replace `config`'s choice for the forward / the teacher lse kernel
+    (A/B timing in tools/time_indexer_triton.py)."""
     kernels = _kernels()
     w = _last_contiguous(w)
     device = q.device
@@ -278,6 +279,8 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, in
     cfg_lse, cfg_fwd = config(problem, "lse"), config(problem, "forward")
     if tiles is not None:
         cfg_fwd = dict(cfg_fwd, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2])
+    if lse_tiles is not None:
+        cfg_lse = dict(cfg_lse, BLOCK_M=lse_tiles[0], BLOCK_N=lse_tiles[1], num_warps=lse_tiles[2])
     spare = _placeholder(device)
     sel, tables = spare, [spare, spare]
     if problem.topk > 0:
