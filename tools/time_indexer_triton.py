@@ -38,7 +38,7 @@ def timed(fn, reps=5):
     return sorted(times)[len(times) // 2]
 
 
-def measure(D: int, N: int) -> str:
+def measure(D: int, N: int) -> None:
     dev, dtype, H, Hi, Di, K = torch.device("cuda"), torch.bfloat16, 64, 64, 128, 2048
     q, k, v = (torch.randn(1, N, H, D, device=dev, dtype=dtype) for _ in range(3))
     qi = torch.randn(1, N, Hi, Di, device=dev, dtype=dtype)
@@ -52,7 +52,7 @@ def measure(D: int, N: int) -> str:
     rows = torch.arange(N, device=dev)[:, None]
     scattered = (torch.rand(N, K, device=dev) * (rows + 1)).long().to(torch.int32)
     local = (rows - torch.arange(K, device=dev)[None, :]).to(torch.int32).clamp(min=-1)
-    line = f"D={D} N={N}: cuDNN SDPA fwd {sdpa:.2f} ms"
+    print(f"D={D} N={N}: cuDNN SDPA fwd {sdpa:.2f} ms", flush=True)
     dense_total = None
     for name, top in (("dense", None), ("top2048 scattered", scattered), ("top2048 local", local)):
         problem = Problem(1, N, N, H, H, D, Hi, Di, D**-0.5, True, 0 if top is None else K, dtype, dev)
@@ -83,15 +83,15 @@ def measure(D: int, N: int) -> str:
         state.clear()
         total = t_fwd + t_bwd
         dense_total = total if dense_total is None else dense_total
-        line += (f"\n    {name}: fwd {t_fwd:.2f} ms (lse given {t_given:.2f}) bwd {t_bwd:.2f} ms "
-                 f"= {total / sdpa:.2f}x SDPA ({(t_given + t_bwd) / sdpa:.2f}x lse given), "
-                 f"{total / dense_total:.2f}x dense; peak besides grads {extra / 2**20:.0f} MiB "
-                 f"= {extra / (N * H):.1f} B per (row, head)")
-    return line
+        print(f"    {name}: fwd {t_fwd:.2f} ms (lse given {t_given:.2f}) bwd {t_bwd:.2f} ms "
+              f"= {total / sdpa:.2f}x SDPA ({(t_given + t_bwd) / sdpa:.2f}x lse given), "
+              f"{total / dense_total:.2f}x dense; peak besides grads {extra / 2**20:.0f} MiB "
+              f"= {extra / (N * H):.1f} B per (row, head)", flush=True)
 
 
 def tiles_ab(N: int, kernel: str, tiles: tuple[int, int, int], D: int = 128) -> str:
-    """The dense forward (lse given) or backward at N with the given (BLOCK_M, BLOCK_N, warps)."""
+    """One dense kernel at N with the given (BLOCK_M, BLOCK_N, warps): "lse" (timed as the forward
+    with its lse pass), "forward" (lse given) or "backward"."""
     dev, dtype, H, Hi, Di = torch.device("cuda"), torch.bfloat16, 64, 64, 128
     q, k = (torch.randn(1, N, H, D, device=dev, dtype=dtype) for _ in range(2))
     qi = torch.randn(1, N, Hi, Di, device=dev, dtype=dtype)
@@ -121,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     for D in [] if args.skip_stages else args.dims:
         for N in args.lengths:
-            print(measure(D, N), flush=True)
+            measure(D, N)
             torch.cuda.empty_cache()
     for kernel, choices in (("lse", args.lse_tiles), ("forward", args.forward_tiles),
                             ("backward", args.backward_tiles)):
