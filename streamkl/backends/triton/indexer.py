@@ -13,10 +13,10 @@ Nq x Nk ever stored:
 - backward (`indexer_backward.py`): key-major, one program per (key tile, sequence, row range)
   over the query tiles of its row range that see the key tile: T and z recomputed, dz = g (S - T),
   then per indexer head r recomputed, dki accumulated in registers (flushed once per program into
-  a float32 accumulator), and per (query tile, head) G = sum_j dz 1[r > 0] ki (dqi = w G) and dw
-  added by float32 reductions into a workspace that holds the launch's rows only. The rows go in
-  launches of two ranges (one from each end: equal causal work per launch), each followed by a
-  finishing kernel that writes the range's dqi and dw. Key tiles of 128 keys: G's reduction
+  a float32 accumulator), and per (query tile, head) G = sum_j dz 1[r > 0] ki added by float32
+  reductions into a workspace that holds the launch's rows only. The rows go in launches of two
+  ranges (one from each end: equal causal work per launch), each followed by a finishing kernel
+  that writes the range's dqi = w G and dw = qi . G (= sum_j dz relu(r)). Key tiles of 128 keys: G's reduction
   traffic is per (query tile, key tile, head), so it falls with the key tile. A query-major
   backward would keep dqi in registers but needs Hi x Di float32 per row (32 KB at 64 x 128):
   no tile of rows large enough for the teacher's products fits.
@@ -327,10 +327,10 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, in
 def slab_rows(problem, block_m: int) -> int:
     """Rows of one row range of the backward's launches (two ranges per launch). Memory besides
     the gradients, per (row, teacher head): the saved teacher lse 4 bytes, dki's float32
-    accumulator 4 Di / H (8 at H = 64, Di = 128), and this workspace (float32 G and dw, Hi (Di + 1)
-    words a row) at most 4, never below two query tiles a range."""
+    accumulator 4 Di / H (8 at H = 64, Di = 128), and this workspace (float32 G, Hi Di words a
+    row) at most 4, never below two query tiles a range."""
     rows = problem.total_q if problem.is_varlen else problem.batch * problem.seqlen_q
-    per_row = problem.index_heads * (_padded_width(problem.index_dim) + 1) * 4
+    per_row = problem.index_heads * _padded_width(problem.index_dim) * 4
     fit = 4 * problem.heads * rows // per_row // 2
     return max(2 * block_m, fit // block_m * block_m)
 
@@ -381,7 +381,6 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     # workspace: the two ranges, a tile of spare rows before and after (whole tiles add to them)
     ws_rows = 2 * size + 2 * block_m
     g = torch.zeros((ws_rows, hi_, _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
-    gw = torch.zeros((ws_rows, hi_), dtype=torch.float32, device=device)
     cu_q, cu_k = _sequence_args(problem, device)
     block_d, block_e = _pow2(problem.dim), _pow2(di)
     if k_tiles * problem.batch == 0 or q_tiles == 0 or rows_total == 0:
@@ -390,13 +389,13 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
                    _descriptor(qi, varlen, block_m, block_e), _descriptor(ki, varlen, block_n, block_e))
     g_descriptor = _descriptor(g, True, block_m, block_e)
     strides = (0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
-               0 if varlen else problem.seqlen_q, sel_stride, g.stride(0), g.stride(1), gw.stride(0),
+               0 if varlen else problem.seqlen_q, sel_stride, g.stride(0), g.stride(1),
                0 if varlen else dki.stride(0), dki.stride(-2))
     constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
     for (lo0, hi0), (lo1, hi1) in row_ranges(rows_total, size):
         base0, base1 = block_m, block_m + (hi0 - lo0)
         _launch(backward_kernels._backward_kernel, (k_tiles * problem.batch, 2), (
-            *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, gw, dki, sel, table, cu_q, cu_k,
+            *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, dki, sel, table, cu_q, cu_k,
             *strides, lo0, hi0, base0, lo1, hi1, base1,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
             hi_, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
@@ -404,9 +403,10 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
         for lo, hi, base in ((lo0, hi0, base0), (lo1, hi1, base1)):
             if hi > lo:
                 backward_kernels._finish_rows_kernel[(hi - lo,)](
-                    g, gw, w, dqi, dw, lo, base, max(problem.seqlen_q, 1), hi_,
-                    g.stride(0), g.stride(1), gw.stride(0), 0 if varlen else w.stride(0), w.stride(-2),
-                    INDEX_DIM=di, BLOCK_H=_pow2(hi_), BLOCK_E=block_e, VARLEN=varlen, num_warps=4)
+                    g, qi, w, dqi, dw, lo, base, max(problem.seqlen_q, 1), hi_, g.stride(0), g.stride(1),
+                    0 if varlen else qi.stride(0), qi.stride(-3), qi.stride(-2), 0 if varlen else w.stride(0),
+                    w.stride(-2),
+                    INDEX_DIM=di, BLOCK_H=_pow2(hi_), BLOCK_E=block_e, VARLEN=varlen, num_warps=8)
     return dqi, dki.to(ki.dtype), dw
 
 
@@ -459,5 +459,5 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
                and name not in descriptors]
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in used.items()},
                        attrs={tuple(i): [["tt.divisibility", 16]] for i in aligned})
-    options = {"num_warps": 4 if kernel == "finish" else cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    options = {"num_warps": 8 if kernel == "finish" else cfg["num_warps"], "num_stages": cfg["num_stages"]}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -5,11 +5,12 @@ and walks the query tiles of a row range that see it. Per (query tile, key tile)
 the teacher's head mean T and the indexer logits z, forms dz = g (S - T), then per indexer head
 recomputes r = qi_t . ki and adds
 
-    G_t[i]  += sum_j dz[i, j] 1[r > 0] ki[j]              (dqi_t = w_t G_t, by the finishing kernel)
-    dw_t[i] += sum_j dz[i, j] relu(r)
+    G_t[i]  += sum_j dz[i, j] 1[r > 0] ki[j]              (by float32 reductions)
     dki[j]  += sum_i dz[i, j] w_t[i] 1[r > 0] qi_t[i]     (in registers, flushed once per program)
 
-G and dw go by float32 reductions into a workspace that holds only a slab of rows: the host runs
+and at the end dqi_t = w_t G_t and dw_t = sum_j dz relu(r) = qi_t . G_t (no per-pair work for dw).
+
+G goes by float32 reductions into a workspace that holds only a slab of rows: the host runs
 the backward slab by slab (two row ranges per launch, one from each end of the rows, so that
 every causal launch has about the same work), and `_finish_rows_kernel` turns each slab's
 workspace into dqi and dw in the input dtype and zeroes it for the next launch.
@@ -26,7 +27,6 @@ from streamkl.backends.triton.indexer_kernels import (
     _descriptor_batch,
     _index_logits,
     _mm,
-    _relu,
     _span,
     _teacher_probs,
 )
@@ -34,8 +34,8 @@ from streamkl.backends.triton.indexer_kernels import (
 
 @triton.jit
 def _backward_kernel(
-    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, G_DESC, G, GW, DKI, SEL, TILES, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb, stride_gr, stride_gh, stride_gwr,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, G_DESC, G, DKI, SEL, TILES, CU_Q, CU_K,
+    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb, stride_gr, stride_gh,
     stride_dkb, stride_dkn,
     lo0, hi0, base0, lo1, hi1, base1,
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
@@ -102,8 +102,6 @@ def _backward_kernel(
                     b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
                     b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)  # [BM, BN]
                     b_dr = tl.where(b_r > 0.0, b_dz, 0.0)
-                    tl.atomic_add(GW + o_ws * stride_gwr + t, tl.sum(b_dz * _relu(b_r), axis=1), mask=m_i,
-                                  sem="relaxed")
                     b_dki += _mm(tl.trans((b_dr * b_w[:, None]).to(b_qi.dtype)), b_qi, IEEE, INTERPRET)
                     b_grow = _mm(b_dr.to(b_qi.dtype), b_ki, IEEE, INTERPRET)  # [BM, BE], 0 on masked rows
                     if INTERPRET:
@@ -119,17 +117,17 @@ def _backward_kernel(
 
 @triton.jit
 def _finish_rows_kernel(
-    G, GW, W, DQI, DW, lo, base, seqlen_q, index_heads,
-    stride_gr, stride_gh, stride_gwr, stride_wb, stride_wn,
+    G, QI, W, DQI, DW, lo, base, seqlen_q, index_heads,
+    stride_gr, stride_gh, stride_qb, stride_qn, stride_qh, stride_wb, stride_wn,
     INDEX_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """dqi = w * G and dw of flat row `lo + program id` from the workspace (dqi, dw contiguous);
-    the row's workspace is zeroed again for the next launch."""
+    """dqi = w * G and dw = qi . G (per head) of flat row `lo + program id` from the workspace (dqi,
+    dw contiguous); the row's workspace is zeroed again for the next launch."""
     row = lo + tl.program_id(0)
     if VARLEN:
-        p_w = W + row.to(tl.int64) * stride_wn
+        b, i = row.to(tl.int64) * 0, row.to(tl.int64)
     else:
-        p_w = W + (row // seqlen_q).to(tl.int64) * stride_wb + (row % seqlen_q).to(tl.int64) * stride_wn
+        b, i = (row // seqlen_q).to(tl.int64), (row % seqlen_q).to(tl.int64)
     ws = (row - lo + base).to(tl.int64)
     o_h = tl.arange(0, BLOCK_H)
     o_e = tl.arange(0, BLOCK_E)
@@ -137,12 +135,12 @@ def _finish_rows_kernel(
     m_he = m_h[:, None] & (o_e[None, :] < INDEX_DIM)
     p_g = G + ws * stride_gr + o_h[:, None] * stride_gh + o_e[None, :]
     b_g = tl.load(p_g, mask=m_he, other=0.0)
-    b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_gw = tl.load(GW + ws * stride_gwr + o_h, mask=m_h, other=0.0)
+    b_w = tl.load(W + b * stride_wb + i * stride_wn + o_h, mask=m_h, other=0.0).to(tl.float32)
+    p_qi = QI + b * stride_qb + i * stride_qn + o_h[:, None] * stride_qh + o_e[None, :]
+    b_qi = tl.load(p_qi, mask=m_he, other=0.0).to(tl.float32)
     tl.store(p_g, tl.zeros([BLOCK_H, BLOCK_E], tl.float32), mask=m_he)
-    tl.store(GW + ws * stride_gwr + o_h, tl.zeros([BLOCK_H], tl.float32), mask=m_h)
     row64 = row.to(tl.int64)
     p_dqi = DQI + row64 * index_heads * INDEX_DIM + o_h[:, None] * INDEX_DIM + o_e[None, :]
     tl.store(p_dqi, (b_w[:, None] * b_g).to(DQI.dtype.element_ty), mask=m_he)
-    tl.store(DW + row64 * index_heads + o_h, b_gw.to(DW.dtype.element_ty), mask=m_h)
+    tl.store(DW + row64 * index_heads + o_h, tl.sum(b_qi * b_g, axis=1).to(DW.dtype.element_ty), mask=m_h)
 
