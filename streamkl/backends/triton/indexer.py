@@ -147,14 +147,14 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=1)
 
 
-def _new(shape, device, fill: float | None = None) -> torch.Tensor:
+def _new(shape, device, fill: float | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     from streamkl.backends import base
 
     if fill is not None:
-        return torch.full(shape, fill, dtype=torch.float32, device=device)
+        return torch.full(shape, fill, dtype=dtype, device=device)
     if getattr(base, "POISON_OUTPUTS", False):
-        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -374,8 +374,8 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
     rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
     hi_, di = problem.index_heads, problem.index_dim
-    dqi = torch.zeros(qi.shape, dtype=qi.dtype, device=device)
-    dw = torch.zeros(w.shape, dtype=w.dtype, device=device)
+    # every row is in one range, whose finishing kernel writes its dqi and dw
+    dqi, dw = _new(qi.shape, device, dtype=qi.dtype), _new(w.shape, device, dtype=w.dtype)
     dki = torch.zeros(ki.shape, dtype=torch.float32, device=device)
     size = slab_rows(problem, block_m)
     # workspace: the two ranges, a tile of spare rows before and after (whole tiles add to them)
@@ -384,10 +384,10 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     cu_q, cu_k = _sequence_args(problem, device)
     block_d, block_e = _pow2(problem.dim), _pow2(di)
     if k_tiles * problem.batch == 0 or q_tiles == 0 or rows_total == 0:
-        return dqi, dki.to(ki.dtype), dw
+        return dqi.zero_(), dki.to(ki.dtype), dw.zero_()
     descriptors = (_descriptor(q, varlen, block_m, block_d), _descriptor(k, varlen, block_n, block_d),
                    _descriptor(qi, varlen, block_m, block_e), _descriptor(ki, varlen, block_n, block_e))
-    g_descriptor = _descriptor(g, True, block_m, block_e)
+    g_descriptor = _descriptor(g, True, block_m, block_e)  # no copy: g's rows start on 16 bytes
     strides = (0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
                0 if varlen else problem.seqlen_q, sel_stride, g.stride(0), g.stride(1),
                0 if varlen else dki.stride(0), dki.stride(-2))
