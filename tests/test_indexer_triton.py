@@ -303,6 +303,25 @@ def test_largest_kernels_fit_hopper(kernel):
     assert keeps_nan == "True"
 
 
+@pytest.mark.slow
+def test_all_kernels_compile_for_hopper_topk_varlen():
+    """Every kernel (teacher lse, forward, backward, finishing) compiles for sm_90a at bf16, D = 128,
+    Di = 128 with a top-k selection on packed sequences, within the H100's shared memory."""
+    code = ("import torch\n"
+            "from streamkl.backends.triton import indexer as ix\n"
+            "for name in ('lse', 'forward', 'backward', 'finish'):\n"
+            "    kernel = ix.compile_for_hopper(name, torch.bfloat16, 128, 128, topk=2048, varlen=True)\n"
+            "    print(name, kernel.metadata.shared)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared = dict(line.split() for line in result.stdout.split("\n") if line)
+    assert set(shared) == {"lse", "forward", "backward", "finish"}
+    assert all(int(value) <= BUDGETS["H100"] for value in shared.values()), shared
+
+
 # ------------------------------------------------------------------------------------------ GPU
 GPU_CASES = [
     pytest.param(1, 2048, 16, 8, 128, 64, 128, True, 0, torch.bfloat16, id="N2048-H16-Hk8-D128-Hi64x128-causal-bf16"),
