@@ -115,6 +115,10 @@ DENSE_CASES = [
     pytest.param(2, 80, 80, 4, 2, 32, 4, 16, True, 24, torch.float32, id="B2-N80-H4-Hk2-D32-Hi4x16-causal-top24-fp32"),
     pytest.param(1, 150, 150, 2, 1, 16, 2, 16, False, 40, torch.float32, id="B1-N150-H2-Hk1-D16-top40-fp32"),
     pytest.param(1, 70, 70, 4, 4, 32, 4, 32, True, 0, torch.bfloat16, id="B1-N70-H4-D32-Hi4x32-causal-bf16"),
+    # 8 teacher heads: the forward splits the keys (2 splits of 2 key tiles here)
+    pytest.param(2, 200, 200, 8, 2, 16, 2, 16, True, 0, torch.float32, id="B2-N200-H8-Hk2-D16-Hi2x16-causal-fp32"),
+    pytest.param(1, 230, 250, 8, 8, 16, 2, 16, False, 30, torch.bfloat16,
+                 id="B1-Nq230-Nk250-H8-D16-Hi2x16-top30-bf16"),
     pytest.param(1, 70, 70, 2, 2, 48, 2, 16, True, 20, torch.float16, id="B1-N70-H2-D48-Hi2x16-causal-top20-fp16"),
 ]
 
@@ -184,7 +188,7 @@ VARLEN_CASES = [
 
 @pytest.mark.parametrize("lens, tail, causal, topk, dtype", VARLEN_CASES)
 def test_varlen(lens, tail, causal, topk, dtype):
-    H, Hk, D, Hi, Di = 4, 2, 16, 3, 16
+    H, Hk, D, Hi, Di = 8 if max(lens) > 64 else 4, 2, 16, 3, 16  # 8 heads: the forward splits the keys
     total = sum(lens) + tail
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q, k, qi, ki, w = inputs((total,), (total,), H, Hk, D, Hi, Di, dtype)

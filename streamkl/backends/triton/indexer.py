@@ -5,11 +5,14 @@ Nq x Nk ever stored:
 
 - teacher lse (only when `lse` is not given): one program per (query tile, sequence, head), an
   attention forward without the value product;
-- forward: one program per (query tile, sequence); per key tile the teacher's head mean T (the
-  heads loop inside, each head normalized by its lse, GQA keys per key head) and the indexer
-  logits z (the indexer key tile loaded once, the indexer heads loop inside), then per row the
-  online lse of z, a = sum T log T and b = sum T z; loss = a - b + lse(z). Saves lse(z) (4 B per
-  row) next to the teacher's per-head lse (4 B per row and head);
+- forward: one program per (query tile, sequence, key split); per key tile the teacher's head
+  mean T (the heads loop inside, each head normalized by its lse, GQA keys per key head) and the
+  indexer logits z (the indexer key tile loaded once, the indexer heads loop inside), then per row
+  the running max and sum of exp(z), a = sum T log T and b = sum T z over the split's keys. The
+  splits of a query tile run side by side, so its queries (all heads: 4 MB for 128 rows at
+  H = Hi = 64, D = Di = 128) come from memory once, not once per key tile; a few torch operations
+  merge the splits: lse(z), loss = a - b + lse(z). Saves lse(z) (4 B per row) next to the
+  teacher's per-head lse (4 B per row and head);
 - backward (`indexer_backward.py`): key-major, one program per (key tile, sequence, row range)
   over the query tiles of its row range that see the key tile: T and z recomputed, dz = g (S - T),
   then per indexer head r recomputed, dki accumulated in registers (flushed once per program into
@@ -36,6 +39,7 @@ import torch
 
 BIG_INDEX = 1 << 30  # sorts after every key position; marks unusable slots
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DIM, MAX_INDEX_DIM, MAX_INDEX_HEADS, MAX_HEADS = 256, 128, 64, 128
 
@@ -305,16 +309,22 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, in
                 *common, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
             ), _constants(problem, cfg_lse))
     q_tiles, k_tiles = _tiles(problem, cfg_fwd)
-    if q_tiles * problem.batch > 0:
+    rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
+    splits, split_tiles = key_splits(problem, k_tiles)
+    parts = torch.empty((4, splits, rows_total), dtype=torch.float32, device=device)  # m, l, a, b
+    parts[0].fill_(float("-inf"))
+    parts[1:].zero_()
+    if q_tiles * problem.batch > 0 and rows_total > 0:
         rows, cols = cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"]
-        _launch(kernels._forward_kernel, (q_tiles * problem.batch,), (
+        _launch(kernels._forward_kernel, (q_tiles * problem.batch * splits,), (
             _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
             _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
-            w, head_lse, loss, index_lse, sel, tables[1], cu_q, cu_k,
+            w, head_lse, parts, sel, tables[1], cu_q, cu_k,
             0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
-            0 if varlen else problem.seqlen_q, sel_stride,
-            *common, problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
+            0 if varlen else problem.seqlen_q, sel_stride, parts.stride(0), parts.stride(1),
+            *common, problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, splits, split_tiles,
         ), dict(BLOCK_E=block_e, **_constants(problem, cfg_fwd)))
+    _merge_splits(parts, loss.view(-1), index_lse.view(-1))
     if varlen and problem.total_q > 0:
         tail = torch.arange(problem.total_q, device=device) >= problem.cu_seqlens_q[-1]
         loss.masked_fill_(tail, 0.0)
@@ -322,6 +332,29 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, in
         if lse is None:
             head_lse.masked_fill_(tail[None, :], float("-inf"))
     return loss, head_lse, index_lse
+
+
+def key_splits(problem, k_tiles: int) -> tuple[int, int]:
+    """(splits, key tiles per split) of the forward. A query tile's programs over the splits run
+    side by side and share its queries (H x D + Hi x Di values a row) in the L2 cache instead of
+    each query tile reading them once per key tile; the partial statistics cost 16 bytes a row per
+    split, at most 4 per (row, teacher head): one split for fewer than 8 teacher heads."""
+    splits = max(1, min(16, k_tiles, problem.heads // 4))
+    split_tiles = -(-max(k_tiles, 1) // splits)
+    return -(-max(k_tiles, 1) // split_tiles), split_tiles
+
+
+def _merge_splits(parts: torch.Tensor, loss: torch.Tensor, index_lse: torch.Tensor) -> None:
+    """loss and lse(z) per row from the splits' (m, l, a, b) (base-2 running max and sum of z's
+    exponentials, sum T log T, sum T z); NaN anywhere in a row's statistics makes both NaN."""
+    m, l_part, a, b = parts
+    top = m.amax(0)
+    ref = torch.where(top == float("-inf"), 0.0, top)
+    total = (l_part * torch.exp2(m - ref)).sum(0)
+    lse = torch.where(total > 0, (top + torch.log2(total)) * LN2, float("-inf"))
+    nan = torch.isnan(total)
+    index_lse.copy_(torch.where(nan, float("nan"), lse))
+    loss.copy_(torch.where(nan, float("nan"), torch.where(total > 0, a.sum(0) - b.sum(0) + lse, 0.0)))
 
 
 def slab_rows(problem, block_m: int) -> int:
@@ -394,7 +427,7 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
     for (lo0, hi0), (lo1, hi1) in row_ranges(rows_total, size):
         base0, base1 = block_m, block_m + (hi0 - lo0)
-        _launch(backward_kernels._backward_kernel, (k_tiles * problem.batch, 2), (
+        _launch(backward_kernels._backward_kernel, (2 * k_tiles * problem.batch,), (
             *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, dki, sel, table, cu_q, cu_k,
             *strides, lo0, hi0, base0, lo1, hi1, base1,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,

@@ -46,9 +46,10 @@ def _backward_kernel(
     """One program per (key tile, sequence, row range): the row range is flat rows [lo, hi) (batch
     entry b's row i is b * seqlen_q + i; packed rows as they are), its workspace rows start at
     `base`. dki (float32) is added once at the end; G and dw per query tile and indexer head."""
-    k_tile = tl.program_id(0) % k_tiles
-    seq = tl.program_id(0) // k_tiles
-    first = tl.program_id(1) == 0
+    # the two ranges' programs of a key tile are neighbours: its teacher keys are read once for both
+    first = tl.program_id(0) % 2 == 0
+    k_tile = tl.program_id(0) // 2 % k_tiles
+    seq = tl.program_id(0) // 2 // k_tiles
     lo = tl.where(first, lo0, lo1)
     hi = tl.where(first, hi0, hi1)
     base = tl.where(first, base0, base1)

@@ -202,21 +202,31 @@ def _head_lse_kernel(
 
 @triton.jit
 def _forward_kernel(
-    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, LOSS, INDEX_LSE, SEL, TILES, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb,
-    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, PARTS, SEL, TILES, CU_Q, CU_K,
+    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb, stride_pc, stride_ps,
+    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, splits, split_tiles,
     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
 ):
-    """Per row: lse of z, a = sum T log T, b = sum T z over the allowed keys; loss = a - b + lse(z).
-    One program per (query tile, sequence), streaming its key tiles once."""
-    q_tile, seq = _tile_order(tl.program_id(0), q_tiles, CAUSAL)
+    """Per row, over one split of the key tiles (split s: tiles [s * split_tiles, (s + 1) *
+    split_tiles)): the running max m and sum l of exp2(z), a = sum T log T and b = sum T z, written
+    to PARTS[0..3, s, row] (untouched where the split has no key tile: the host's neutral values).
+    The host merges the splits: lse(z), loss = a - b + lse(z). One program per (query tile,
+    sequence, split); the splits of a query tile are consecutive programs, so the query tile's
+    teacher and indexer queries (all heads) are read from memory once for all of them."""
+    split = tl.program_id(0) % splits
+    q_tile, seq = _tile_order(tl.program_id(0) // splits, q_tiles, CAUSAL)
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
     desc_b = _descriptor_batch(seq, VARLEN)
     o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_i = o_i < len_q
-    if q_tile * BLOCK_M < len_q:
+    k_end = len_k
+    if CAUSAL:
+        k_end = tl.minimum(len_k, (q_tile + 1) * BLOCK_M + len_k - len_q)
+    k_first = split * split_tiles
+    k_last = tl.minimum(k_first + split_tiles, tl.cdiv(k_end, BLOCK_N))
+    if (q_tile * BLOCK_M < len_q) & (k_first < k_last):
         seq64 = seq.to(tl.int64)
         q_row = q_start + q_tile * BLOCK_M
         W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
@@ -226,10 +236,7 @@ def _forward_kernel(
         b_l = tl.zeros([BLOCK_M], tl.float32)
         b_a = tl.zeros([BLOCK_M], tl.float32)  # sum T log T
         b_b = tl.zeros([BLOCK_M], tl.float32)  # sum T z
-        k_end = len_k
-        if CAUSAL:
-            k_end = tl.minimum(len_k, (q_tile + 1) * BLOCK_M + len_k - len_q)
-        for k_tile in tl.range(0, tl.cdiv(k_end, BLOCK_N)):
+        for k_tile in tl.range(k_first, k_last):
             active = True
             if TOPK:
                 active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
@@ -249,9 +256,8 @@ def _forward_kernel(
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
                 b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_z2 - b_ref[:, None]), axis=1)
                 b_m = b_new
-        b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l)) * LN2, float("-inf"))
-        b_lse = tl.where(b_l == b_l, b_lse, float("nan"))
-        b_loss = tl.where(b_l > 0, b_a - b_b + b_lse, 0.0)
-        b_loss = tl.where(b_l == b_l, b_loss, float("nan"))
-        tl.store(LOSS + seq64 * stride_rb + q_start + o_i, b_loss, mask=m_i)
-        tl.store(INDEX_LSE + seq64 * stride_rb + q_start + o_i, b_lse, mask=m_i)
+        p_part = PARTS + split * stride_ps + seq64 * stride_rb + q_start + o_i
+        tl.store(p_part, b_m, mask=m_i)
+        tl.store(p_part + stride_pc, b_l, mask=m_i)
+        tl.store(p_part + 2 * stride_pc, b_a, mask=m_i)
+        tl.store(p_part + 3 * stride_pc, b_b, mask=m_i)
