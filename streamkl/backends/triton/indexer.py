@@ -289,8 +289,11 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, in
     sel, tables = spare, [spare, spare]
     if problem.topk > 0:
         shapes = [(cfg_lse["BLOCK_M"], cfg_lse["BLOCK_N"]), (cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"])]
-        sel, tables = selection(problem, topk_indices, shapes[:1] if shapes[0] == shapes[1] else shapes)
-        tables = tables * (3 - len(tables))  # one table serves both kernels when their tiles agree
+        if lse is not None or shapes[0] == shapes[1]:  # one table serves both kernels
+            sel, (table,) = selection(problem, topk_indices, shapes[1:])
+            tables = [table, table]
+        else:
+            sel, tables = selection(problem, topk_indices, shapes)
     sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
     cu_q, cu_k = _sequence_args(problem, device)
     block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
