@@ -13,16 +13,15 @@ Nq x Nk ever stored:
   H = Hi = 64, D = Di = 128) come from memory once, not once per key tile; a few torch operations
   merge the splits: lse(z), loss = a - b + lse(z). Saves lse(z) (4 B per row) next to the
   teacher's per-head lse (4 B per row and head);
-- backward (`indexer_backward.py`): key-major, one program per (key tile, sequence, row range)
-  over the query tiles of its row range that see the key tile: T and z recomputed, dz = g (S - T),
-  then per indexer head r recomputed, dki accumulated in registers (flushed once per program into
-  a float32 accumulator), and per (query tile, head) G = sum_j dz 1[r > 0] ki added by float32
+- backward (`indexer_backward.py`): one program per (query tile, key tile) of a launch's rows:
+  T and z recomputed, dz = g (S - T), then per indexer head r recomputed, dki accumulated in
+  registers (one float32 reduction per program) and G = sum_j dz 1[r > 0] ki added by float32
   reductions into a workspace that holds the launch's rows only. The rows go in launches of two
   ranges (one from each end: equal causal work per launch), each followed by a finishing kernel
-  that writes the range's dqi = w G and dw = qi . G (= sum_j dz relu(r)). Key tiles of 128 keys: G's reduction
-  traffic is per (query tile, key tile, head), so it falls with the key tile. A query-major
-  backward would keep dqi in registers but needs Hi x Di float32 per row (32 KB at 64 x 128):
-  no tile of rows large enough for the teacher's products fits.
+  that writes the range's dqi = w G and dw = qi . G (= sum_j dz relu(r)). Key tiles of 128 keys:
+  G's reduction traffic is per (query tile, key tile, head), so it falls with the key tile. A
+  query-major backward would keep dqi in registers but needs Hi x Di float32 per row (32 KB at
+  64 x 128): no tile of rows large enough for the teacher's products fits.
 
 Top-k stage: the same kernels with the selection as part of the mask. Each row's indices are
 sorted once per call (O(N K), a buffer the size of `topk_indices`); a
@@ -412,7 +411,8 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     hi_, di = problem.index_heads, problem.index_dim
     # every row is in one range, whose finishing kernel writes its dqi and dw
     dqi, dw = _new(qi.shape, device, dtype=qi.dtype), _new(w.shape, device, dtype=w.dtype)
-    dki = torch.zeros(ki.shape, dtype=torch.float32, device=device)
+    # float32 accumulators with rows on 16 bytes (tensor-memory reductions)
+    dki = torch.zeros((*ki.shape[:-1], _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
     size = slab_rows(problem, block_m)
     # workspace: the two ranges, a tile of spare rows before and after (whole tiles add to them)
     ws_rows = 2 * size + 2 * block_m
@@ -420,21 +420,24 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     cu_q, cu_k = _sequence_args(problem, device)
     block_d, block_e = _pow2(problem.dim), _pow2(di)
     if k_tiles * problem.batch == 0 or q_tiles == 0 or rows_total == 0:
-        return dqi.zero_(), dki.to(ki.dtype), dw.zero_()
+        return dqi.zero_(), dki.to(ki.dtype).contiguous(), dw.zero_()
     descriptors = (_descriptor(q, varlen, block_m, block_d), _descriptor(k, varlen, block_n, block_d),
                    _descriptor(qi, varlen, block_m, block_e), _descriptor(ki, varlen, block_n, block_e))
-    g_descriptor = _descriptor(g, True, block_m, block_e)  # no copy: g's rows start on 16 bytes
+    # no copies: g's and dki's rows start on 16 bytes
+    g_descriptor, dki_descriptor = _descriptor(g, True, block_m, block_e), _descriptor(dki, varlen, block_n, block_e)
+    span_tiles = -(-size // block_m) + 1  # query tiles a range of `size` rows can touch
     strides = (0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
                0 if varlen else problem.seqlen_q, sel_stride, g.stride(0), g.stride(1),
                0 if varlen else dki.stride(0), dki.stride(-2))
     constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
     for (lo0, hi0), (lo1, hi1) in row_ranges(rows_total, size):
         base0, base1 = block_m, block_m + (hi0 - lo0)
-        _launch(backward_kernels._backward_kernel, (2 * k_tiles * problem.batch,), (
-            *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, dki, sel, table, cu_q, cu_k,
+        _launch(backward_kernels._backward_kernel, (span_tiles * 2 * k_tiles * problem.batch,), (
+            *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, dki_descriptor, dki, sel, table,
+            cu_q, cu_k,
             *strides, lo0, hi0, base0, lo1, hi1, base1,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
-            hi_, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
+            hi_, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, span_tiles,
         ), constants)
         for lo, hi, base in ((lo0, hi0, base0), (lo1, hi1, base1)):
             if hi > lo:
@@ -443,7 +446,7 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
                     0 if varlen else qi.stride(0), qi.stride(-3), qi.stride(-2), 0 if varlen else w.stride(0),
                     w.stride(-2),
                     INDEX_DIM=di, BLOCK_H=_pow2(hi_), BLOCK_E=block_e, VARLEN=varlen, num_warps=8)
-    return dqi, dki.to(ki.dtype), dw
+    return dqi, dki.to(ki.dtype).contiguous(), dw
 
 
 def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: int = 128, index_dim: int = 128,
@@ -469,7 +472,7 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     descriptors = {"Q_DESC": (element, "BLOCK_M", "BLOCK_D"), "K_DESC": (element, "BLOCK_N", "BLOCK_D"),
                    "QI_DESC": (element, "BLOCK_M", "BLOCK_E"), "KI_DESC": (element, "BLOCK_N", "BLOCK_E"),
-                   "G_DESC": ("fp32", "BLOCK_M", "BLOCK_E")}
+                   "G_DESC": ("fp32", "BLOCK_M", "BLOCK_E"), "DKI_DESC": ("fp32", "BLOCK_N", "BLOCK_E")}
     pointers = {"W": element, "DQI": element, "DW": element, "SEL": "i32", "CU_Q": "i32", "CU_K": "i32",
                 "TILES": "u8"}
     constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), BLOCK_H=64, CAUSAL=causal,

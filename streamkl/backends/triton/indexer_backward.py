@@ -1,19 +1,20 @@
 """Triton kernels of the DSA indexer loss's backward (SPEC 8): the gradients of qi, ki and w.
 
-The backward is key-major: a program owns one key tile (its indexer keys, its dki accumulator)
-and walks the query tiles of a row range that see it. Per (query tile, key tile) it recomputes
-the teacher's head mean T and the indexer logits z, forms dz = g (S - T), then per indexer head
-recomputes r = qi_t . ki and adds
+One program per (query tile, key tile) pair: it recomputes the teacher's head mean T and the
+indexer logits z, forms dz = g (S - T), then per indexer head recomputes r = qi_t . ki and adds
 
-    G_t[i]  += sum_j dz[i, j] 1[r > 0] ki[j]              (by float32 reductions)
-    dki[j]  += sum_i dz[i, j] w_t[i] 1[r > 0] qi_t[i]     (in registers, flushed once per program)
+    G_t[i]  += sum_j dz[i, j] 1[r > 0] ki[j]              (float32 reduction per head)
+    dki[j]  += sum_i dz[i, j] w_t[i] 1[r > 0] qi_t[i]     (in registers, one float32 reduction)
 
 and at the end dqi_t = w_t G_t and dw_t = sum_j dz relu(r) = qi_t . G_t (no per-pair work for dw).
+A key tile's programs are launched next to each other, and every program of a launch reads the
+same few query tiles: both sides' teacher and indexer tiles are shared in L2 by the programs
+running at the same time.
 
-G goes by float32 reductions into a workspace that holds only a slab of rows: the host runs
-the backward slab by slab (two row ranges per launch, one from each end of the rows, so that
-every causal launch has about the same work), and `_finish_rows_kernel` turns each slab's
-workspace into dqi and dw in the input dtype and zeroes it for the next launch.
+G goes into a workspace that holds only a slab of rows: the host runs the backward slab by slab
+(two row ranges per launch, one from each end of the rows, so that every causal launch has about
+the same work), and `_finish_rows_kernel` turns each slab's workspace into dqi and dw in the input
+dtype and zeroes it for the next launch.
 """
 
 from __future__ import annotations
@@ -34,22 +35,26 @@ from streamkl.backends.triton.indexer_kernels import (
 
 @triton.jit
 def _backward_kernel(
-    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, G_DESC, G, DKI, SEL, TILES, CU_Q, CU_K,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, G_DESC, G, DKI_DESC, DKI, SEL, TILES, CU_Q, CU_K,
     stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb, stride_gr, stride_gh,
     stride_dkb, stride_dkn,
     lo0, hi0, base0, lo1, hi1, base1,
-    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
+    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, span_tiles,
     BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
 ):
-    """One program per (key tile, sequence, row range): the row range is flat rows [lo, hi) (batch
-    entry b's row i is b * seqlen_q + i; packed rows as they are), its workspace rows start at
-    `base`. dki (float32) is added once at the end; G and dw per query tile and indexer head."""
-    # the two ranges' programs of a key tile are neighbours: its teacher keys are read once for both
-    first = tl.program_id(0) % 2 == 0
-    k_tile = tl.program_id(0) // 2 % k_tiles
-    seq = tl.program_id(0) // 2 // k_tiles
+    """One program per (key tile, sequence, row range, query tile of the range): the row range is
+    flat rows [lo, hi) (batch entry b's row i is b * seqlen_q + i; packed rows as they are), its
+    workspace rows start at `base`, and it touches at most `span_tiles` query tiles. dki (float32)
+    and G are added by reductions."""
+    # a key tile's programs (both ranges, every query tile) are neighbours: its teacher keys are
+    # read from memory once for all of them, and every key tile's program reads the same queries
+    span = tl.program_id(0) % span_tiles
+    rest = tl.program_id(0) // span_tiles
+    first = rest % 2 == 0
+    k_tile = rest // 2 % k_tiles
+    seq = rest // 2 // k_tiles
     lo = tl.where(first, lo0, lo1)
     hi = tl.where(first, hi0, hi1)
     base = tl.where(first, base0, base1)
@@ -58,10 +63,10 @@ def _backward_kernel(
     flat0 = q_start if VARLEN else seq * seqlen_q  # flat row of the sequence's row 0
     r0 = tl.maximum(lo - flat0, 0)
     r1 = tl.minimum(hi - flat0, len_q)
-    q_first = r0 // BLOCK_M
+    q_first = r0 // BLOCK_M + span
+    q_last = tl.minimum(q_first + 1, tl.cdiv(r1, BLOCK_M))
     if CAUSAL:
         q_first = tl.maximum(q_first, tl.maximum(k_tile * BLOCK_N - (len_k - len_q), 0) // BLOCK_M)
-    q_last = tl.cdiv(r1, BLOCK_M)
     o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_j = o_j < len_k
     o_e = tl.arange(0, BLOCK_E)
@@ -111,9 +116,13 @@ def _backward_kernel(
                     else:
                         # rows of the tile outside [r0, r1) add zeros to their neighbours' rows
                         G_DESC.atomic_add([0, ws_row, t, 0], b_grow.reshape([1, BLOCK_M, 1, BLOCK_E]))
-        DKI += seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkn
-        tl.atomic_add(DKI + o_j[:, None] * stride_dkn + o_e[None, :], b_dki,
-                      mask=m_j[:, None] & (o_e[None, :] < INDEX_DIM), sem="relaxed")
+        if INTERPRET:
+            DKI += seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkn
+            tl.atomic_add(DKI + o_j[:, None] * stride_dkn + o_e[None, :], b_dki,
+                          mask=m_j[:, None] & (o_e[None, :] < INDEX_DIM), sem="relaxed")
+        else:
+            # keys of the tile past the sequence add zeros to the next sequence's rows
+            DKI_DESC.atomic_add([desc_b, k_row, 0, 0], b_dki.reshape([1, BLOCK_N, 1, BLOCK_E]))
 
 
 @triton.jit
