@@ -63,15 +63,17 @@ def _backward_kernel(
     flat0 = q_start if VARLEN else seq * seqlen_q  # flat row of the sequence's row 0
     r0 = tl.maximum(lo - flat0, 0)
     r1 = tl.minimum(hi - flat0, len_q)
-    q_first = r0 // BLOCK_M + span
-    q_last = tl.minimum(q_first + 1, tl.cdiv(r1, BLOCK_M))
-    if CAUSAL:
-        q_first = tl.maximum(q_first, tl.maximum(k_tile * BLOCK_N - (len_k - len_q), 0) // BLOCK_M)
-    o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_j = o_j < len_k
-    o_e = tl.arange(0, BLOCK_E)
-    seq64 = seq.to(tl.int64)
-    if (r0 < r1) & (k_tile * BLOCK_N < len_k) & (q_first < q_last):
+    q_tile = r0 // BLOCK_M + span
+    run = (r0 < r1) & (k_tile * BLOCK_N < len_k) & (q_tile * BLOCK_M < r1)
+    if CAUSAL:  # the key tile's first key is past every row of the query tile
+        run = run & ((q_tile + 1) * BLOCK_M + (len_k - len_q) > k_tile * BLOCK_N)
+    if TOPK:
+        run = run & (tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile, mask=run, other=0) != 0)
+    if run:
+        seq64 = seq.to(tl.int64)
+        o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_j = o_j < len_k
+        o_e = tl.arange(0, BLOCK_E)
         k_row = k_start + k_tile * BLOCK_N
         W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
         HEAD_LSE += seq64 * stride_lb + q_start
@@ -79,43 +81,37 @@ def _backward_kernel(
         b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
         if VARLEN:
             b_ki = tl.where(m_j[:, None], b_ki, 0.0).to(b_ki.dtype)
+        o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_i = (o_i >= r0) & (o_i < r1)
+        q_row = q_start + q_tile * BLOCK_M
+        p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
+        m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K) & m_i[:, None]
+        b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
+                             heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
+        b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,
+                            BLOCK_N, BLOCK_E, IEEE, INTERPRET)
+        b_lse = tl.load(INDEX_LSE + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0) * LOG2E
+        b_g = tl.load(GRAD + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0)
+        b_p = tl.exp2(b_z * LOG2E - b_lse[:, None])
+        b_dz = tl.where(m_ij, b_g[:, None] * (b_p - b_t), 0.0)  # [BM, BN]
+        ws_row = flat0 + q_tile * BLOCK_M - lo + base  # workspace row of o_i[0]
+        o_ws = (ws_row + tl.arange(0, BLOCK_M)).to(tl.int64)
         b_dki = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-        for q_tile in tl.range(q_first, q_last):
-            active = True
-            if TOPK:
-                active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
-            if active:
-                o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_i = (o_i >= r0) & (o_i < r1)
-                q_row = q_start + q_tile * BLOCK_M
-                p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K)
-                m_ij = m_ij & m_i[:, None]
-                b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
-                                     heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
-                b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,
-                                    BLOCK_N, BLOCK_E, IEEE, INTERPRET)
-                b_lse = tl.load(INDEX_LSE + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0) * LOG2E
-                b_g = tl.load(GRAD + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0)
-                b_p = tl.exp2(b_z * LOG2E - b_lse[:, None])
-                b_dz = tl.where(m_ij, b_g[:, None] * (b_p - b_t), 0.0)  # [BM, BN]
-                ws_row = flat0 + q_tile * BLOCK_M - lo + base  # workspace row of o_i[0]
-                o_ws = (ws_row + tl.arange(0, BLOCK_M)).to(tl.int64)
-                for t in tl.range(0, index_heads):
-                    b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
-                    if VARLEN:
-                        b_qi = tl.where(m_i[:, None], b_qi, 0.0).to(b_qi.dtype)
-                    b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
-                    b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)  # [BM, BN]
-                    b_dr = tl.where(b_r > 0.0, b_dz, 0.0)
-                    b_dki += _mm(tl.trans((b_dr * b_w[:, None]).to(b_qi.dtype)), b_qi, IEEE, INTERPRET)
-                    b_grow = _mm(b_dr.to(b_qi.dtype), b_ki, IEEE, INTERPRET)  # [BM, BE], 0 on masked rows
-                    if INTERPRET:
-                        p_g = G + (o_ws * stride_gr + t * stride_gh)[:, None] + o_e[None, :]
-                        tl.atomic_add(p_g, b_grow, mask=m_i[:, None] & (o_e[None, :] < INDEX_DIM), sem="relaxed")
-                    else:
-                        # rows of the tile outside [r0, r1) add zeros to their neighbours' rows
-                        G_DESC.atomic_add([0, ws_row, t, 0], b_grow.reshape([1, BLOCK_M, 1, BLOCK_E]))
+        for t in tl.range(0, index_heads):
+            b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
+            if VARLEN:
+                b_qi = tl.where(m_i[:, None], b_qi, 0.0).to(b_qi.dtype)
+            b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
+            b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)  # [BM, BN]
+            b_dr = tl.where(b_r > 0.0, b_dz, 0.0)
+            b_dki += _mm(tl.trans((b_dr * b_w[:, None]).to(b_qi.dtype)), b_qi, IEEE, INTERPRET)
+            b_grow = _mm(b_dr.to(b_qi.dtype), b_ki, IEEE, INTERPRET)  # [BM, BE], 0 on masked rows
+            if INTERPRET:
+                p_g = G + (o_ws * stride_gr + t * stride_gh)[:, None] + o_e[None, :]
+                tl.atomic_add(p_g, b_grow, mask=m_i[:, None] & (o_e[None, :] < INDEX_DIM), sem="relaxed")
+            else:
+                # rows of the tile outside [r0, r1) add zeros to their neighbours' rows
+                G_DESC.atomic_add([0, ws_row, t, 0], b_grow.reshape([1, BLOCK_M, 1, BLOCK_E]))
         if INTERPRET:
             DKI += seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkn
             tl.atomic_add(DKI + o_j[:, None] * stride_dkn + o_e[None, :], b_dki,
