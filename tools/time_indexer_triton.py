@@ -52,7 +52,9 @@ def measure(D: int, N: int) -> None:
     rows = torch.arange(N, device=dev)[:, None]
     scattered = (torch.rand(N, K, device=dev) * (rows + 1)).long().to(torch.int32)
     local = (rows - torch.arange(K, device=dev)[None, :]).to(torch.int32).clamp(min=-1)
-    print(f"D={D} N={N}: cuDNN SDPA fwd {sdpa:.2f} ms", flush=True)
+    dense = Problem(1, N, N, H, H, D, Hi, Di, D**-0.5, True, 0, dtype, dev)
+    tiles = {name: indexer.config(dense, name) for name in ("lse", "forward", "backward")}
+    print(f"D={D} N={N}: cuDNN SDPA fwd {sdpa:.2f} ms; tiles {tiles}", flush=True)
     dense_total = None
     for name, top in (("dense", None), ("top2048 scattered", scattered), ("top2048 local", local)):
         problem = Problem(1, N, N, H, H, D, Hi, Di, D**-0.5, True, 0 if top is None else K, dtype, dev)
@@ -123,8 +125,8 @@ def main() -> None:
         for N in args.lengths:
             measure(D, N)
             torch.cuda.empty_cache()
-    for kernel, choices in (("lse", args.lse_tiles), ("forward", args.forward_tiles),
-                            ("backward", args.backward_tiles)):
+    for kernel, choices in (("backward", args.backward_tiles), ("forward", args.forward_tiles),
+                            ("lse", args.lse_tiles)):
         for text in choices:
             print(tiles_ab(max(args.lengths), kernel, tuple(int(x) for x in text.split("x"))), flush=True)
             torch.cuda.empty_cache()
