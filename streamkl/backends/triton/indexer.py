@@ -5,20 +5,26 @@ Nq x Nk ever stored:
 
 - teacher lse (only when `lse` is not given): one program per (query tile, sequence, head), an
   attention forward without the value product;
-- forward: one program per (query tile, sequence); per key tile the teacher's head mean T (the
-  heads loop inside, each head normalized by its lse, GQA keys per key head) and the indexer
-  logits z (the indexer key tile loaded once, the indexer heads loop inside), then per row the
-  online lse of z, a = sum T log T and b = sum T z; loss = a - b + lse(z). Saves lse(z) (4 B per
-  row) next to the teacher's per-head lse (4 B per row and head);
-- backward: one program per (key tile, sequence) over the query tiles that see it: T and z
-  recomputed, dz = g (S - T), then per indexer head its products recomputed, dki accumulated in
-  registers (it is shared by the heads, so the key side is the one kept local), dqi and dw added
-  atomically into float32 buffers. A second, query-major kernel for dqi would be deterministic but
-  would recompute T and z once more (two of the backward's five products); dqi's atomics are the
-  same traffic per product as FlashAttention 2's dq.
+- forward: one program per (query tile, sequence, key split); per key tile the teacher's head
+  mean T (the heads loop inside, each head normalized by its lse, GQA keys per key head) and the
+  indexer logits z (the indexer key tile loaded once, the indexer heads loop inside), then per row
+  the running max and sum of exp(z), a = sum T log T and b = sum T z over the split's keys. The
+  splits of a query tile run side by side, so its queries (all heads: 4 MB for 128 rows at
+  H = Hi = 64, D = Di = 128) come from memory once, not once per key tile; a few torch operations
+  merge the splits: lse(z), loss = a - b + lse(z). Saves lse(z) (4 B per row) next to the
+  teacher's per-head lse (4 B per row and head);
+- backward (`indexer_backward.py`): one program per (query tile, key tile) of a launch's rows:
+  T and z recomputed, dz = g (S - T), then per indexer head r recomputed, dki accumulated in
+  registers (one float32 reduction per program) and G = sum_j dz 1[r > 0] ki added by float32
+  reductions into a workspace that holds the launch's rows only. The rows go in launches of two
+  ranges (one from each end: equal causal work per launch), each followed by a finishing kernel
+  that writes the range's dqi = w G and dw = qi . G (= sum_j dz relu(r)). Key tiles of 128 keys:
+  G's reduction traffic is per (query tile, key tile, head), so it falls with the key tile. A
+  query-major backward would keep dqi in registers but needs Hi x Di float32 per row (32 KB at
+  64 x 128): no tile of rows large enough for the teacher's products fits.
 
 Top-k stage: the same kernels with the selection as part of the mask. Each row's indices are
-sorted and deduplicated once per call (O(N K), a buffer the size of `topk_indices`); a
+sorted once per call (O(N K), a buffer the size of `topk_indices`); a
 (query tile, key tile) table marks the tiles some row selected, and the kernels skip the others.
 The work is proportional to the selected tiles: about the dense stage's for scattered selections,
 far less for local or clustered ones.
@@ -30,8 +36,9 @@ import os
 
 import torch
 
-BIG_INDEX = 1 << 30  # sorts after every key position; also marks unused and repeated slots
+BIG_INDEX = 1 << 30  # sorts after every key position; marks unusable slots
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DIM, MAX_INDEX_DIM, MAX_INDEX_HEADS, MAX_HEADS = 256, 128, 64, 128
 
@@ -49,6 +56,13 @@ def _kernels():
     from streamkl.backends.triton import indexer_kernels
 
     return indexer_kernels
+
+
+def _backward_kernels():
+    _kernels()
+    from streamkl.backends.triton import indexer_backward
+
+    return indexer_backward
 
 
 def not_supported_reasons(problem) -> list[str]:
@@ -106,8 +120,17 @@ def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -
     index = stages * block_m * block_e * size + block_n * block_e * size  # qi tiles, the key tile's ki
     if kernel == "backward":
         teacher += block_n * block_e * size  # the program's ki tile stays loaded throughout
-        index += block_m * block_e * 4 + block_m * block_n * size  # dqi's float32 reduction tile, dz's operand
+        # G's float32 reduction tile, the two dz operands (dqi's and dki's)
+        index += block_m * block_e * 4 + 2 * block_m * block_n * size
     return max(teacher, index) + SHARED_SLACK
+
+
+# (BLOCK_M, BLOCK_N, warps), largest first. The backward's key tile is its wide side: G's
+# reductions are per (query tile, key tile, indexer head), so their traffic falls with BLOCK_N.
+_LADDERS = {
+    "lse": ((128, 128, 8),) + _TILE_LADDER, "forward": _TILE_LADDER,
+    "backward": ((64, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4)),
+}
 
 
 def config(problem, kernel: str, budget: int | None = None) -> dict:
@@ -115,9 +138,10 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
     largest tiles, then the deepest pipeline, whose shared memory fits `budget` bytes (default:
     what the problem's device allows)."""
     budget = shared_budget(problem.device) if budget is None else budget
-    wide = _pow2(problem.dim) > 128
-    ladder = _TILE_LADDER[1:] if wide else _TILE_LADDER
-    # (sm_90a builds: none spills in the forward and lse kernels; the backward's 255 registers spill 32-60 B)
+    ladder = _LADDERS[kernel]
+    if _pow2(problem.dim) > 128 and kernel != "backward":
+        ladder = ladder[1:]
+    # (sm_90a builds: none spills in the forward and lse kernels)
     for block_m, block_n, warps in ladder:
         block_m, block_n = _fit(block_m, problem.seqlen_q), _fit(block_n, problem.seqlen_k)
         for stages in (2, 1):
@@ -126,14 +150,14 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=1)
 
 
-def _new(shape, device, fill: float | None = None) -> torch.Tensor:
+def _new(shape, device, fill: float | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     from streamkl.backends import base
 
     if fill is not None:
-        return torch.full(shape, fill, dtype=torch.float32, device=device)
+        return torch.full(shape, fill, dtype=dtype, device=device)
     if getattr(base, "POISON_OUTPUTS", False):
-        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -154,9 +178,10 @@ def _rows_of_sequences(problem, rows: torch.Tensor):
 
 
 def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]]):
-    """Each row's selected keys sorted ascending, repeats and unusable slots (-1, outside the row's
-    sequence) replaced by BIG_INDEX: int32 [rows, K]; and per (BLOCK_M, BLOCK_N) in `shapes`, the
-    uint8 table [S, query tiles, key tiles] of the tiles some row selected a key of. No host sync."""
+    """Each row's selected keys sorted ascending, unusable slots (-1, outside the row's sequence)
+    replaced by BIG_INDEX: int32 [rows, K] (repeats stay: the kernels' membership test sets the
+    same bit twice); and per (BLOCK_M, BLOCK_N) in `shapes`, the uint8 table
+    [S, query tiles, key tiles] of the tiles some row selected a key of. No host sync."""
     device = topk_indices.device
     top = topk_indices.reshape(-1, problem.topk)
     rows_total = top.shape[0]
@@ -169,13 +194,10 @@ def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]]
     for start in range(0, rows_total, chunk):
         rows = torch.arange(start, min(start + chunk, rows_total), device=device)
         seq, pos, len_k, inside = _rows_of_sequences(problem, rows)
-        raw = top[start : start + len(rows)].long()
+        raw = top[start : start + len(rows)].to(torch.int32)
         bad = (raw < 0) | (raw >= len_k[:, None]) | ~inside[:, None]
         ordered = torch.sort(torch.where(bad, BIG_INDEX, raw), dim=1).values
-        repeat = torch.zeros_like(ordered, dtype=torch.bool)
-        repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
-        ordered = torch.sort(torch.where(repeat, BIG_INDEX, ordered), dim=1).values
-        sel[start : start + len(rows)] = ordered.to(torch.int32)
+        sel[start : start + len(rows)] = ordered
         usable = ordered < BIG_INDEX
         for (block_m, block_n), table in zip(shapes, tables):
             q_tiles, k_tiles = -(-problem.seqlen_q // block_m), -(-problem.seqlen_k // block_n)
@@ -223,7 +245,7 @@ def _constants(problem, cfg: dict) -> dict:
     return dict(
         BLOCK_D=_pow2(problem.dim), CAUSAL=problem.causal, VARLEN=problem.is_varlen, TOPK=problem.topk > 0,
         IEEE=problem.dtype == torch.float32, INTERPRET=_interpreting(), STEPS_K=max(problem.topk, 1).bit_length(),
-        STEPS_N=cfg["BLOCK_N"].bit_length(), **cfg,
+        **cfg,
     )
 
 
@@ -245,8 +267,11 @@ def _tiles(problem, cfg: dict) -> tuple[int, int]:
     return -(-problem.seqlen_q // cfg["BLOCK_M"]), -(-problem.seqlen_k // cfg["BLOCK_N"])
 
 
-def forward(problem, q, k, qi, ki, w, lse, topk_indices):
-    """(loss_rows, head_lse, index_lse) float32; see DSA_INTERFACE.md."""
+def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, int, int] | None = None,
+            lse_tiles: tuple[int, int, int] | None = None):
+    """(loss_rows, head_lse, index_lse) float32; see DSA_INTERFACE.md. `tiles` / `lse_tiles`
+    (BLOCK_M, BLOCK_N, warps) replace `config`'s choice for the forward / the teacher lse kernel
+    (A/B timing in tools/time_indexer_triton.py)."""
     kernels = _kernels()
     w = _last_contiguous(w)
     device = q.device
@@ -255,12 +280,19 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
     lse_shape = (problem.heads, problem.total_q) if varlen else (problem.batch, problem.heads, problem.seqlen_q)
     loss, index_lse = _new(row_shape, device), _new(row_shape, device)
     cfg_lse, cfg_fwd = config(problem, "lse"), config(problem, "forward")
+    if tiles is not None:
+        cfg_fwd = dict(cfg_fwd, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2])
+    if lse_tiles is not None:
+        cfg_lse = dict(cfg_lse, BLOCK_M=lse_tiles[0], BLOCK_N=lse_tiles[1], num_warps=lse_tiles[2])
     spare = _placeholder(device)
     sel, tables = spare, [spare, spare]
     if problem.topk > 0:
         shapes = [(cfg_lse["BLOCK_M"], cfg_lse["BLOCK_N"]), (cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"])]
-        sel, tables = selection(problem, topk_indices, shapes[:1] if shapes[0] == shapes[1] else shapes)
-        tables = tables * (3 - len(tables))  # one table serves both kernels when their tiles agree
+        if lse is not None or shapes[0] == shapes[1]:  # one table serves both kernels
+            sel, (table,) = selection(problem, topk_indices, shapes[1:])
+            tables = [table, table]
+        else:
+            sel, tables = selection(problem, topk_indices, shapes)
     sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
     cu_q, cu_k = _sequence_args(problem, device)
     block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
@@ -279,16 +311,22 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
                 *common, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
             ), _constants(problem, cfg_lse))
     q_tiles, k_tiles = _tiles(problem, cfg_fwd)
-    if q_tiles * problem.batch > 0:
+    rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
+    splits, split_tiles = key_splits(problem, k_tiles)
+    parts = torch.empty((4, splits, rows_total), dtype=torch.float32, device=device)  # m, l, a, b
+    parts[0].fill_(float("-inf"))
+    parts[1:].zero_()
+    if q_tiles * problem.batch > 0 and rows_total > 0:
         rows, cols = cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"]
-        _launch(kernels._forward_kernel, (q_tiles * problem.batch,), (
+        _launch(kernels._forward_kernel, (q_tiles * problem.batch * splits,), (
             _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
             _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
-            w, head_lse, loss, index_lse, sel, tables[1], cu_q, cu_k,
+            w, head_lse, parts, sel, tables[1], cu_q, cu_k,
             0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
-            0 if varlen else problem.seqlen_q, sel_stride,
-            *common, problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
+            0 if varlen else problem.seqlen_q, sel_stride, parts.stride(0), parts.stride(1),
+            *common, problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, splits, split_tiles,
         ), dict(BLOCK_E=block_e, **_constants(problem, cfg_fwd)))
+    _merge_splits(parts, loss.view(-1), index_lse.view(-1))
     if varlen and problem.total_q > 0:
         tail = torch.arange(problem.total_q, device=device) >= problem.cu_seqlens_q[-1]
         loss.masked_fill_(tail, 0.0)
@@ -298,60 +336,131 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices):
     return loss, head_lse, index_lse
 
 
-def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows):
-    """(dqi, dki, dw) in the input dtype; see DSA_INTERFACE.md."""
-    kernels = _kernels()
+def key_splits(problem, k_tiles: int) -> tuple[int, int]:
+    """(splits, key tiles per split) of the forward. A query tile's programs over the splits run
+    side by side and share its queries (H x D + Hi x Di values a row) in the L2 cache instead of
+    each query tile reading them once per key tile; the partial statistics cost 16 bytes a row per
+    split, at most 4 per (row, teacher head): one split for fewer than 8 teacher heads."""
+    splits = max(1, min(16, k_tiles, problem.heads // 4))
+    split_tiles = -(-max(k_tiles, 1) // splits)
+    return -(-max(k_tiles, 1) // split_tiles), split_tiles
+
+
+def _merge_splits(parts: torch.Tensor, loss: torch.Tensor, index_lse: torch.Tensor) -> None:
+    """loss and lse(z) per row from the splits' (m, l, a, b) (base-2 running max and sum of z's
+    exponentials, sum T log T, sum T z); NaN anywhere in a row's statistics makes both NaN."""
+    m, l_part, a, b = parts
+    top = m.amax(0)
+    ref = torch.where(top == float("-inf"), 0.0, top)
+    total = (l_part * torch.exp2(m - ref)).sum(0)
+    lse = torch.where(total > 0, (top + torch.log2(total)) * LN2, float("-inf"))
+    nan = torch.isnan(total)
+    index_lse.copy_(torch.where(nan, float("nan"), lse))
+    loss.copy_(torch.where(nan, float("nan"), torch.where(total > 0, a.sum(0) - b.sum(0) + lse, 0.0)))
+
+
+def slab_rows(problem, block_m: int) -> int:
+    """Rows of one row range of the backward's launches (two ranges per launch). Memory besides
+    the gradients, per (row, teacher head): the saved teacher lse 4 bytes, dki's float32
+    accumulator 4 Di / H (8 at H = 64, Di = 128), and this workspace (float32 G, Hi Di words a
+    row) at most 4, never below two query tiles a range."""
+    rows = problem.total_q if problem.is_varlen else problem.batch * problem.seqlen_q
+    per_row = problem.index_heads * _padded_width(problem.index_dim) * 4
+    fit = 4 * problem.heads * rows // per_row // 2
+    return max(2 * block_m, fit // block_m * block_m)
+
+
+def _padded_width(index_dim: int) -> int:
+    """G's row width in float32 words: a multiple of 4, so that its rows start on 16 bytes."""
+    return -(-index_dim // 4) * 4
+
+
+def row_ranges(total: int, size: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The backward's launches: [0, total) in ranges of `size` rows, paired first with last,
+    second with second to last...: causal work grows with the row, so every launch gets about the
+    same. An unpaired middle range goes with an empty one."""
+    ranges = [(start, min(start + size, total)) for start in range(0, total, size)]
+    launches = []
+    for first in range((len(ranges) + 1) // 2):
+        last = len(ranges) - 1 - first
+        launches.append((ranges[first], ranges[last] if last != first else (0, 0)))
+    return launches
+
+
+def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows, *,
+             tiles: tuple[int, int, int] | None = None):
+    """(dqi, dki, dw) in the input dtype; see DSA_INTERFACE.md. `tiles` (BLOCK_M, BLOCK_N, warps)
+    replaces `config`'s choice (A/B timing in tools/time_indexer_triton.py)."""
+    backward_kernels = _backward_kernels()
     w = _last_contiguous(w)
     head_lse, index_lse = _last_contiguous(head_lse), index_lse.contiguous()
     grad_rows = grad_rows.float().contiguous()
     device = q.device
     varlen = problem.is_varlen
     cfg = config(problem, "backward")
+    if tiles is not None:
+        cfg = dict(cfg, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2])
     q_tiles, k_tiles = _tiles(problem, cfg)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     spare = _placeholder(device)
     sel, table = spare, spare
     if problem.topk > 0:
-        sel, (table,) = selection(problem, topk_indices, [(cfg["BLOCK_M"], cfg["BLOCK_N"])])
+        sel, (table,) = selection(problem, topk_indices, [(block_m, block_n)])
     sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
-    # float32 accumulation buffer of dqi's atomics, rows padded to 16 bytes for the reductions
-    width = -(-problem.index_dim // 4) * 4
-    dqi = torch.zeros((*qi.shape[:-1], width), dtype=torch.float32, device=device)[..., : problem.index_dim]
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=device)
-    dki = torch.zeros(ki.shape, dtype=ki.dtype, device=device)
-    if varlen:
-        grad_strides = [0, dqi.stride(0), dqi.stride(1), 0, dki.stride(0), 0, dw.stride(0)]
-    else:
-        grad_strides = [dqi.stride(0), dqi.stride(1), dqi.stride(2), dki.stride(0), dki.stride(1), dw.stride(0),
-                        dw.stride(1)]
+    rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
+    hi_, di = problem.index_heads, problem.index_dim
+    # every row is in one range, whose finishing kernel writes its dqi and dw
+    dqi, dw = _new(qi.shape, device, dtype=qi.dtype), _new(w.shape, device, dtype=w.dtype)
+    # float32 accumulators with rows on 16 bytes (tensor-memory reductions)
+    dki = torch.zeros((*ki.shape[:-1], _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
+    size = slab_rows(problem, block_m)
+    # workspace: the two ranges, a tile of spare rows before and after (whole tiles add to them)
+    ws_rows = 2 * size + 2 * block_m
+    g = torch.zeros((ws_rows, hi_, _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
     cu_q, cu_k = _sequence_args(problem, device)
-    block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
-    if k_tiles * problem.batch > 0 and q_tiles > 0:
-        rows, cols = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        _launch(kernels._backward_kernel, (k_tiles * problem.batch,), (
-            _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
-            _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
-            w, head_lse, index_lse, grad_rows, _descriptor(dqi, varlen, rows, block_e), dqi, dki, dw,
-            sel, table, cu_q, cu_k,
-            0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
-            0 if varlen else problem.seqlen_q, sel_stride, *grad_strides,
+    block_d, block_e = _pow2(problem.dim), _pow2(di)
+    if k_tiles * problem.batch == 0 or q_tiles == 0 or rows_total == 0:
+        return dqi.zero_(), dki.to(ki.dtype).contiguous(), dw.zero_()
+    descriptors = (_descriptor(q, varlen, block_m, block_d), _descriptor(k, varlen, block_n, block_d),
+                   _descriptor(qi, varlen, block_m, block_e), _descriptor(ki, varlen, block_n, block_e))
+    # no copies: g's and dki's rows start on 16 bytes
+    g_descriptor, dki_descriptor = _descriptor(g, True, block_m, block_e), _descriptor(dki, varlen, block_n, block_e)
+    span_tiles = -(-size // block_m) + 1  # query tiles a range of `size` rows can touch
+    strides = (0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
+               0 if varlen else problem.seqlen_q, sel_stride, g.stride(0), g.stride(1),
+               0 if varlen else dki.stride(0), dki.stride(-2))
+    constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
+    for (lo0, hi0), (lo1, hi1) in row_ranges(rows_total, size):
+        base0, base1 = block_m, block_m + (hi0 - lo0)
+        _launch(backward_kernels._backward_kernel, (span_tiles * 2 * k_tiles * problem.batch,), (
+            *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, dki_descriptor, dki, sel, table,
+            cu_q, cu_k,
+            *strides, lo0, hi0, base0, lo1, hi1, base1,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
-            problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
-        ), dict(INDEX_DIM=problem.index_dim, BLOCK_E=block_e, **_constants(problem, cfg)))
-    return dqi.to(qi.dtype).contiguous(), dki, dw.to(w.dtype)
+            hi_, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, span_tiles,
+        ), constants)
+        for lo, hi, base in ((lo0, hi0, base0), (lo1, hi1, base1)):
+            if hi > lo:
+                backward_kernels._finish_rows_kernel[(hi - lo,)](
+                    g, qi, w, dqi, dw, lo, base, max(problem.seqlen_q, 1), hi_, g.stride(0), g.stride(1),
+                    0 if varlen else qi.stride(0), qi.stride(-3), qi.stride(-2), 0 if varlen else w.stride(0),
+                    w.stride(-2),
+                    INDEX_DIM=di, BLOCK_H=_pow2(hi_), BLOCK_E=block_e, VARLEN=varlen, num_warps=8)
+    return dqi, dki.to(ki.dtype).contiguous(), dw
 
 
 def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: int = 128, index_dim: int = 128,
                        causal: bool = True, topk: int = 0, varlen: bool = False):
-    """One kernel ("lse", "forward", "backward") compiled for sm_90a without a GPU, at the tile
+    """One kernel ("lse", "forward", "backward", "finish") compiled for sm_90a without a GPU, at the tile
     sizes `config` picks for a long sequence on an H100 / H200; returns the compiled kernel (.asm:
     ptx, cubin; .metadata.shared: its shared memory in bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernels = _kernels()
+    kernels, backward_kernels = _kernels(), _backward_kernels()
     fn = {"lse": kernels._head_lse_kernel, "forward": kernels._forward_kernel,
-          "backward": kernels._backward_kernel}[kernel]
+          "backward": backward_kernels._backward_kernel, "finish": backward_kernels._finish_rows_kernel}[kernel]
 
     class _Shape:  # the fields `config` reads
         pass
@@ -359,15 +468,16 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
     shape = _Shape()
     shape.dim, shape.index_dim, shape.dtype, shape.device = dim, index_dim, dtype, torch.device("cpu")
     shape.seqlen_q = shape.seqlen_k = 1 << 15
-    cfg = config(shape, kernel)
+    cfg = config(shape, "backward" if kernel == "finish" else kernel)
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     descriptors = {"Q_DESC": (element, "BLOCK_M", "BLOCK_D"), "K_DESC": (element, "BLOCK_N", "BLOCK_D"),
                    "QI_DESC": (element, "BLOCK_M", "BLOCK_E"), "KI_DESC": (element, "BLOCK_N", "BLOCK_E"),
-                   "DQI_DESC": ("fp32", "BLOCK_M", "BLOCK_E")}
-    pointers = {"W": element, "DKI": element, "SEL": "i32", "CU_Q": "i32", "CU_K": "i32", "TILES": "u8"}
-    constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), CAUSAL=causal,
+                   "G_DESC": ("fp32", "BLOCK_M", "BLOCK_E"), "DKI_DESC": ("fp32", "BLOCK_N", "BLOCK_E")}
+    pointers = {"W": element, "DQI": element, "DW": element, "SEL": "i32", "CU_Q": "i32", "CU_K": "i32",
+                "TILES": "u8"}
+    constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), BLOCK_H=64, CAUSAL=causal,
                      VARLEN=varlen, TOPK=topk > 0, IEEE=dtype == torch.float32, INTERPRET=False,
-                     STEPS_K=max(topk, 1).bit_length(), STEPS_N=cfg["BLOCK_N"].bit_length(),
+                     STEPS_K=max(topk, 1).bit_length(),
                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     signature = {}
     for name in fn.arg_names:
@@ -388,5 +498,5 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
                and name not in descriptors]
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in used.items()},
                        attrs={tuple(i): [["tt.divisibility", 16]] for i in aligned})
-    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    options = {"num_warps": 8 if kernel == "finish" else cfg["num_warps"], "num_stages": cfg["num_stages"]}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

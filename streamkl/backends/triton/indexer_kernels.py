@@ -1,4 +1,5 @@
-"""Triton kernels of the DSA indexer loss (SPEC 8): teacher lse, forward statistics, backward.
+"""Triton kernels of the DSA indexer loss (SPEC 8): teacher lse and forward statistics (the
+backward is in `indexer_backward.py`).
 
 Scores work in base 2 (`exp2`, scores times `scale * log2(e)`); statistics are written in natural
 logs. Every kernel walks (query tile, key tile) pairs of one sequence and builds the tile's mask
@@ -68,44 +69,53 @@ def _mm(b_a, b_b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _selected(p_sel, topk, o_i, o_j, BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr):
-    """[BM, BN] bool: key o_j[c] is in row r's sorted selection (p_sel: [BM] pointers to row starts).
-
-    A row-level lower bound of the tile's first key, then a per-(row, key) lower bound inside the
-    next BLOCK_N entries (at most BLOCK_N distinct selected keys can fall in a tile)."""
-    first = tl.min(o_j, axis=0)
-    lo = o_i * 0
-    hi = lo + topk
+def _lower_bound(p_sel, hi, target, STEPS_K: tl.constexpr):
+    """[BM] int32: in each row's sorted selection p_sel[r][0 : hi[r]], the first slot whose key is
+    >= target (a scalar)."""
+    lo = hi * 0
     for _ in tl.static_range(STEPS_K):
         live = lo < hi
         mid = (lo + hi) // 2
         value = tl.load(p_sel + mid, mask=live, other=0)
-        right = live & (value < first)
+        right = live & (value < target)
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(right | (~live), hi, mid)
-    b_lo = lo[:, None] + tl.zeros([1, BLOCK_N], tl.int32)  # [BM, BN]
-    b_hi = tl.minimum(b_lo + BLOCK_N, topk)
-    target = o_j[None, :]
-    for _ in tl.static_range(STEPS_N):
-        live = b_lo < b_hi
-        mid = (b_lo + b_hi) // 2
-        value = tl.load(p_sel[:, None] + mid, mask=live, other=0)
-        right = live & (value < target)
-        b_lo = tl.where(right, mid + 1, b_lo)
-        b_hi = tl.where(right | (~live), b_hi, mid)
-    found = tl.load(p_sel[:, None] + b_lo, mask=b_lo < topk, other=-1)
-    return found == target
+    return lo
+
+
+@triton.jit
+def _selected(p_sel, topk, m_row, o_j, BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr):
+    """[BM, BN] bool: key o_j[c] is in row r's sorted selection (p_sel: [BM] pointers to row starts;
+    rows off m_row select nothing and read nothing).
+
+    The row's keys in the tile are the slots [lo, hi) of its selection (two binary searches); they
+    are set as bits of two 64-bit words per row ([BM] work per key), expanded once to the tile."""
+    first = tl.min(o_j, axis=0)
+    end = tl.where(m_row, topk, 0)
+    lo = _lower_bound(p_sel, end, first, STEPS_K)
+    count = _lower_bound(p_sel, end, first + BLOCK_N, STEPS_K) - lo
+    bits_lo = (lo * 0).to(tl.int64)  # keys first + [0, 64)
+    bits_hi = (lo * 0).to(tl.int64)  # keys first + [64, 128)
+    for c in tl.range(0, tl.max(count, axis=0)):
+        live = c < count
+        key = tl.load(p_sel + lo + c, mask=live, other=first) - first  # [BM], in [0, BLOCK_N)
+        bit = tl.where(live, 1, 0).to(tl.int64) << (key & 63).to(tl.int64)
+        bits_lo |= tl.where(key < 64, bit, 0)
+        bits_hi |= tl.where(key < 64, 0, bit)
+    rel = o_j - first  # [BN]
+    word = tl.where(rel[None, :] < 64, bits_lo[:, None], bits_hi[:, None])  # [BM, BN]
+    return ((word >> (rel & 63).to(tl.int64)[None, :]) & 1) != 0
 
 
 @triton.jit
 def _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL: tl.constexpr, TOPK: tl.constexpr,
-             BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr):
+             BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr):
     """[BM, BN] bool: the keys each row ranges over (sequence bounds, causality, selection)."""
     m_ij = (o_i[:, None] < len_q) & (o_j[None, :] < len_k)
     if CAUSAL:
         m_ij = m_ij & (o_j[None, :] <= o_i[:, None] + (len_k - len_q))
     if TOPK:
-        m_ij = m_ij & _selected(p_sel, topk, o_i, o_j, BLOCK_N, STEPS_K, STEPS_N)
+        m_ij = m_ij & _selected(p_sel, topk, o_i < len_q, o_j, BLOCK_N, STEPS_K)
     return m_ij
 
 
@@ -153,7 +163,7 @@ def _head_lse_kernel(
     seqlen_q, seqlen_k, heads, group, qk_scale, topk, q_tiles, k_tiles,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
 ):
     """The teacher's per-head lse over each row's allowed keys: one program per (query tile, seq * head)."""
     q_tile, rest = _tile_order(tl.program_id(0), q_tiles, CAUSAL)
@@ -178,7 +188,7 @@ def _head_lse_kernel(
                 active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
+                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K)
                 b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
                 b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
                 b_new = tl.maximum(b_m, tl.max(b_s, axis=1), propagate_nan=tl.PropagateNan.ALL)
@@ -192,21 +202,31 @@ def _head_lse_kernel(
 
 @triton.jit
 def _forward_kernel(
-    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, LOSS, INDEX_LSE, SEL, TILES, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb,
-    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, PARTS, SEL, TILES, CU_Q, CU_K,
+    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb, stride_pc, stride_ps,
+    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, splits, split_tiles,
     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
 ):
-    """Per row: lse of z, a = sum T log T, b = sum T z over the allowed keys; loss = a - b + lse(z).
-    One program per (query tile, sequence), streaming its key tiles once."""
-    q_tile, seq = _tile_order(tl.program_id(0), q_tiles, CAUSAL)
+    """Per row, over one split of the key tiles (split s: tiles [s * split_tiles, (s + 1) *
+    split_tiles)): the running max m and sum l of exp2(z), a = sum T log T and b = sum T z, written
+    to PARTS[0..3, s, row] (untouched where the split has no key tile: the host's neutral values).
+    The host merges the splits: lse(z), loss = a - b + lse(z). One program per (query tile,
+    sequence, split); the splits of a query tile are consecutive programs, so the query tile's
+    teacher and indexer queries (all heads) are read from memory once for all of them."""
+    split = tl.program_id(0) % splits
+    q_tile, seq = _tile_order(tl.program_id(0) // splits, q_tiles, CAUSAL)
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
     desc_b = _descriptor_batch(seq, VARLEN)
     o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_i = o_i < len_q
-    if q_tile * BLOCK_M < len_q:
+    k_end = len_k
+    if CAUSAL:
+        k_end = tl.minimum(len_k, (q_tile + 1) * BLOCK_M + len_k - len_q)
+    k_first = split * split_tiles
+    k_last = tl.minimum(k_first + split_tiles, tl.cdiv(k_end, BLOCK_N))
+    if (q_tile * BLOCK_M < len_q) & (k_first < k_last):
         seq64 = seq.to(tl.int64)
         q_row = q_start + q_tile * BLOCK_M
         W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
@@ -216,17 +236,14 @@ def _forward_kernel(
         b_l = tl.zeros([BLOCK_M], tl.float32)
         b_a = tl.zeros([BLOCK_M], tl.float32)  # sum T log T
         b_b = tl.zeros([BLOCK_M], tl.float32)  # sum T z
-        k_end = len_k
-        if CAUSAL:
-            k_end = tl.minimum(len_k, (q_tile + 1) * BLOCK_M + len_k - len_q)
-        for k_tile in tl.range(0, tl.cdiv(k_end, BLOCK_N)):
+        for k_tile in tl.range(k_first, k_last):
             active = True
             if TOPK:
                 active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
                 k_row = k_start + k_tile * BLOCK_N
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
+                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K)
                 b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                                      heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
                 b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
@@ -239,84 +256,8 @@ def _forward_kernel(
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
                 b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_z2 - b_ref[:, None]), axis=1)
                 b_m = b_new
-        b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l)) * LN2, float("-inf"))
-        b_lse = tl.where(b_l == b_l, b_lse, float("nan"))
-        b_loss = tl.where(b_l > 0, b_a - b_b + b_lse, 0.0)
-        b_loss = tl.where(b_l == b_l, b_loss, float("nan"))
-        tl.store(LOSS + seq64 * stride_rb + q_start + o_i, b_loss, mask=m_i)
-        tl.store(INDEX_LSE + seq64 * stride_rb + q_start + o_i, b_lse, mask=m_i)
-
-
-@triton.jit
-def _backward_kernel(
-    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, DQI_DESC, DQI, DKI, DW, SEL, TILES, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb,
-    stride_dqb, stride_dqn, stride_dqh, stride_dkb, stride_dkn, stride_dwb, stride_dwn,
-    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles,
-    BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, STEPS_N: tl.constexpr,
-):
-    """One program per (key tile, sequence), over the query tiles that see it: dz = g (S - T) per
-    tile, dki accumulated in registers, dqi (float32, by tensor-memory reductions) and dw added
-    atomically."""
-    # key tile 0 sees the most query tiles under causality: natural order starts the longest first
-    k_tile = tl.program_id(0) % k_tiles
-    seq = tl.program_id(0) // k_tiles
-    q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
-    desc_b = _descriptor_batch(seq, VARLEN)
-    o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_j = o_j < len_k
-    o_e = tl.arange(0, BLOCK_E)
-    seq64 = seq.to(tl.int64)
-    if k_tile * BLOCK_N < len_k:
-        k_row = k_start + k_tile * BLOCK_N
-        W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
-        HEAD_LSE += seq64 * stride_lb + q_start
-        DW += seq64 * stride_dwb + q_start.to(tl.int64) * stride_dwn
-        # packed keys past the sequence (the next one's) read as 0: no NaN leaks across sequences
-        b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
-        if VARLEN:
-            b_ki = tl.where(m_j[:, None], b_ki, 0.0).to(b_ki.dtype)
-        b_dki = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-        q_first = 0
-        if CAUSAL:
-            q_first = tl.maximum(k_tile * BLOCK_N - (len_k - len_q), 0) // BLOCK_M
-        for q_tile in tl.range(q_first, tl.cdiv(len_q, BLOCK_M)):
-            active = True
-            if TOPK:
-                active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
-            if active:
-                o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_i = o_i < len_q
-                q_row = q_start + q_tile * BLOCK_M
-                p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K, STEPS_N)
-                b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
-                                     heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
-                b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,
-                                    BLOCK_N, BLOCK_E, IEEE, INTERPRET)
-                b_lse = tl.load(INDEX_LSE + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0) * LOG2E
-                b_g = tl.load(GRAD + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0)
-                b_p = tl.exp2(b_z * LOG2E - b_lse[:, None])
-                b_dz = tl.where(m_ij, b_g[:, None] * (b_p - b_t), 0.0)  # [BM, BN]
-                for t in tl.range(0, index_heads):
-                    b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
-                    if VARLEN:
-                        b_qi = tl.where(m_i[:, None], b_qi, 0.0).to(b_qi.dtype)
-                    b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
-                    b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)
-                    tl.atomic_add(DW + o_i * stride_dwn + t, tl.sum(b_dz * _relu(b_r), axis=1), mask=m_i,
-                                  sem="relaxed")
-                    b_dr = tl.where(b_r > 0.0, b_dz * b_w[:, None], 0.0).to(b_qi.dtype)  # [BM, BN]
-                    b_dki += _mm(tl.trans(b_dr), b_qi, IEEE, INTERPRET)
-                    b_dqi = _mm(b_dr, b_ki, IEEE, INTERPRET)  # [BM, BE], 0 on rows outside the sequence
-                    if INTERPRET:
-                        p_dqi = DQI + (seq64 * stride_dqb + (q_start + o_i).to(tl.int64) * stride_dqn
-                                       + t * stride_dqh)[:, None] + o_e[None, :]
-                        tl.atomic_add(p_dqi, b_dqi, mask=m_i[:, None] & (o_e[None, :] < INDEX_DIM), sem="relaxed")
-                    else:
-                        DQI_DESC.atomic_add([desc_b, q_row, t, 0], b_dqi.reshape([1, BLOCK_M, 1, BLOCK_E]))
-        DKI += seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkn
-        tl.store(DKI + o_j[:, None] * stride_dkn + o_e[None, :], b_dki.to(DKI.dtype.element_ty),
-                 mask=m_j[:, None] & (o_e[None, :] < INDEX_DIM))
+        p_part = PARTS + split * stride_ps + seq64 * stride_rb + q_start + o_i
+        tl.store(p_part, b_m, mask=m_i)
+        tl.store(p_part + stride_pc, b_l, mask=m_i)
+        tl.store(p_part + 2 * stride_pc, b_a, mask=m_i)
+        tl.store(p_part + 3 * stride_pc, b_b, mask=m_i)
