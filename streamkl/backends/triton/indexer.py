@@ -155,7 +155,7 @@ def _new(shape, device, fill: float | None = None, dtype: torch.dtype = torch.fl
 
     if fill is not None:
         return torch.full(shape, fill, dtype=dtype, device=device)
-    if getattr(base, "POISON_OUTPUTS", False):
+    if base.poison_outputs():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
