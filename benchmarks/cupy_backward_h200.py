@@ -10,6 +10,7 @@ table; one JSON line per row on stdout too. Helpers come from cupy_forward_h200.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import sys
@@ -71,12 +72,15 @@ def line(r: dict) -> str:
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 64], help="head dims (both sides)")
+    args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, file=sys.stderr)
     print("times in ms, median; /FA2: over the FA2 forward, /FA2b: over the FA2 backward")
     print(HEADER, flush=True)
     rows = []
     n, h = 16384, 16
-    for dim in (128, 64):
+    for dim in args.dims:
         compile_s = first_call_s(dim)
         x = inputs((1, n), (1, n), h, (h, h), (dim, dim), torch.bfloat16)
         for causal in (False, True):
