@@ -4,21 +4,7 @@
 # Run from the repository root; results go under $OUT (default ./gpu_cupy_out). About 200 s: the
 # GPU tests compile one NVRTC module per (dtype, head dims) family (several seconds each, spread
 # over the workers); the shared suite on cupy runs only while the total stays under 200 s.
-set -u
-OUT=${OUT:-gpu_cupy_out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-run() {  # run NAME SECONDS COMMAND...: output to $OUT/NAME.log, a status line to the summary
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name: exit $rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
-    tail -n 25 "$OUT/$name.log"
-}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/summary.txt"
-python -c "import torch, cupy, triton; print('torch', torch.__version__, 'cupy', cupy.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
+source "$(dirname "$0")/gpu_steps.sh" cupy
 run timings 110 python benchmarks/cupy_backward_h200.py
 run cupy_gpu_tests 150 python -m pytest -q -n 12 -p no:benchmark tests/test_cupy_gpu.py -rfE --tb=short
 if [ "$SECONDS" -lt 200 ]; then

@@ -3,21 +3,8 @@
 # on the GPU), then dense and top-k (scattered, local) forward / backward timings at N = 8K and 32K
 # next to the cuDNN SDPA forward of the teacher, with peak memory (tools/time_indexer_triton.py).
 # Run from the repository root; results go under $OUT (default ./gpu_dsa_out). At most about 215 s.
-set -u
-OUT=${OUT:-gpu_dsa_out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-run() {  # run NAME SECONDS COMMAND...: output to $OUT/NAME.log, a status line to the summary
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name: exit $rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
-    tail -n 40 "$OUT/$name.log"
-}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/summary.txt"
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
+TAIL_LINES=40
+source "$(dirname "$0")/gpu_steps.sh" dsa
 if python -c "import xdist" 2>/dev/null; then workers=(-n 8); else workers=(); fi
 run indexer_tests 65 python -m pytest -q -x -rfE --tb=short -p no:benchmark "${workers[@]}" tests/test_indexer_triton.py
 run indexer_timings 90 python tools/time_indexer_triton.py 8192 32768
