@@ -28,6 +28,12 @@ def test_specialization_tells_apart_what_triton_specializes_on():
     assert specialization((None,)) == specialization((None,))
     assert specialization((0.5,)) == specialization((2.0,))
 
+    class Sub(torch.Tensor):
+        pass
+
+    sub = aligned.as_subclass(Sub)  # keyed by dtype and alignment, not by the object (nothing kept alive)
+    assert specialization((sub,)) == specialization((aligned,))
+
 
 def test_specialization_of_descriptors():
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -48,6 +48,8 @@ def specialization(args: tuple) -> tuple:
             key.append(bool)
         elif hasattr(a, "block_shape"):  # a TMA descriptor (triton.tools or gluon)
             key.append(_descriptor_key(a))
+        elif isinstance(a, torch.Tensor):  # a subclass: by its properties, never the object
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
         else:
             key.append((cls, a))  # anything else: by value (hashable, or this raises)
     return tuple(key)
