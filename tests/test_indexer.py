@@ -133,6 +133,9 @@ def test_varlen(backend, stage, separate_keys):
     cu_q = cu_seqlens_from_lengths(lengths_q, DEVICE)
     cu_k = cu_seqlens_from_lengths(lengths_k, DEVICE) if separate_keys else None
     inputs = make_inputs((total_q,), (total_k if separate_keys else total_q,), 4, 2, 16, 3, 8)
+    with torch.no_grad():  # rows past cu_seqlens[-1] belong to no sequence: what they hold reaches nothing
+        for t, first_tail_row in zip(inputs, [sum(lengths_q), sum(lengths_k)] * 2 + [sum(lengths_q)]):
+            t[first_tail_row:] = float("inf")
     topk = varlen_topk(cu_q, cu_q if cu_k is None else cu_k, total_q, 9) if stage == "topk" else None
     out, _ = check_case(backend, inputs, causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k, topk_indices=topk)
     assert (out[sum(lengths_q):] == 0).all()

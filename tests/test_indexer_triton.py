@@ -192,6 +192,9 @@ def test_varlen(lens, tail, causal, topk, dtype):
     total = sum(lens) + tail
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q, k, qi, ki, w = inputs((total,), (total,), H, Hk, D, Hi, Di, dtype)
+    # rows past cu_seqlens[-1] belong to no sequence: nothing they hold reaches an output
+    for t in (q, k, qi, ki, w):
+        t[sum(lens):] = float("inf")
     top = None
     if topk:
         top = torch.full((total, topk), -1, dtype=torch.int32, device=DEVICE)
