@@ -98,9 +98,43 @@ SK_DEVICE float quad_sum(float v) {
     return v + sk_shfl_xor(v, 2);
 }
 
+// s[m][n] = the held A fragments a[m][kk] (16 rows each) times keys 8n..8n+7 (raw products, float32)
+template <int DP, int MT, int NT>
+SK_DEVICE void warp_scores_held(float (&s)[MT][NT][4], const unsigned (&a)[MT][DP / 16][4], const input_t* k_rows,
+                                int lane) {
+    zero_scores(s);
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+        unsigned ak[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) ak[m][r] = a[m][kk][r];
+        warp_scores_kk<DP, MT, NT>(s, ak, k_rows, kk, lane);
+    }
+}
+
+// A fragments of rows 16m..16m+15 of `q_rows`, every 16-column step kk, into registers
+template <int DP, int MT>
+SK_DEVICE void load_fragments(unsigned (&a)[MT][DP / 16][4], const input_t* q_rows, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk)
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+            sk_ldmatrix_x4(a[m][kk], q_rows + (16 * m + lane % 16) * (DP + 8) + kk * 16 + (lane / 16) * 8);
+}
+
+// Flip the sign bit of every element of `words` 32-bit words (pairs of half elements) in shared memory
+template <int THREADS>
+SK_DEVICE void negate_pairs(input_t* rows, int words) {
+    unsigned* w = reinterpret_cast<unsigned*>(rows);
+    for (int idx = threadIdx.x; idx < words; idx += THREADS) w[idx] ^= 0x80008000u;
+}
+
 // grid (query tiles, sequence * head), WARPS * 32 threads; the schedule's tiles are BLOCK_Q x BLOCK_K.
-// Writes kl_rows, lse1, lse2, expect for every row of the tile, as kl_forward does.
-template <int D1P, int D2P, int BLOCK_K, int M_TILES, int WARPS, int STAGES>
+// Q_REGS: each warp holds its q1, q2 A fragments in registers for the whole block (no ldmatrix of
+// q per key tile). Writes kl_rows, lse1, lse2, expect for every row of the tile, as kl_forward does.
+template <int D1P, int D2P, int BLOCK_K, int M_TILES, int WARPS, int STAGES, int Q_REGS>
 __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
     constexpr int THREADS = WARPS * 32;
     constexpr int WARP_ROWS = 16 * M_TILES;
@@ -137,6 +171,7 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
                                      reinterpret_cast<const input_t*>(p.q2) + seq * p.q2_b +
                                          (long long)(span.q_start + row0) * p.q2_n + head * p.q2_h,
                                      p.q2_n, valid_q, p.dim2, vector);
+    sk_cp_async_commit();  // q1, q2: a group of their own, retired before the key loop
     const input_t* k1_head = reinterpret_cast<const input_t*>(p.k1) + seq * p.k1_b + (head / p.group1) * p.k1_h +
                              (long long)span.k_start * p.k1_n;
     const input_t* k2_head = reinterpret_cast<const input_t*>(p.k2) + seq * p.k2_b + (head / p.group2) * p.k2_h +
@@ -148,8 +183,8 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
     const signed char* kv_partial = visits.partial;
     const SideMasks masks = side_masks(p, seq, head);
 
-    // prologue: the first STAGES - 1 key tiles (q1, q2 travel in the first group); one group per
-    // tile, empty past the list, so that wait<STAGES - 2> always means "this visit's tile is in"
+    // prologue: the first STAGES - 1 key tiles; one group per tile, empty past the list, so that
+    // wait<STAGES - 2> always means "this visit's tile is in"
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < count) {
@@ -162,56 +197,73 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
         }
         sk_cp_async_commit();
     }
+    int ahead_key0 = STAGES - 1 < count ? kv_index[STAGES - 1] * BLOCK_K : 0;  // read one visit early
+
+    // Scores stay raw products; scale * log2 e enters through the exponentials' FMAs. A negative
+    // scale is taken as |scale| times the negated q (exact), so a raw row maximum is the scaled one.
+    sk_cp_async_wait<STAGES - 1>();
+    __syncthreads();  // q1, q2 are in
+    if (p.scale1 < 0.0f || p.scale2 < 0.0f) {
+        if (p.scale1 < 0.0f) negate_pairs<THREADS>(q1s, BLOCK_Q * ST1 / 2);
+        if (p.scale2 < 0.0f) negate_pairs<THREADS>(q2s, BLOCK_Q * ST2 / 2);
+        __syncthreads();
+    }
+    const input_t* warp_q1 = q1s + warp * WARP_ROWS * ST1;
+    const input_t* warp_q2 = q2s + warp * WARP_ROWS * ST2;
+    unsigned qa1[Q_REGS ? M_TILES : 1][Q_REGS ? D1P / 16 : 1][4];  // held A fragments (Q_REGS)
+    unsigned qa2[Q_REGS ? M_TILES : 1][Q_REGS ? D2P / 16 : 1][4];
+    if constexpr (Q_REGS != 0) {
+        load_fragments<D1P, M_TILES>(qa1, warp_q1, lane);
+        load_fragments<D2P, M_TILES>(qa2, warp_q2, lane);
+    }
 
     const float neg_inf = -sk_inf();
-    const float log2_scale1 = p.scale1 * SK_LOG2E, log2_scale2 = p.scale2 * SK_LOG2E;
-    // statistics of this lane's rows (h: block h / 2, row g + 8 (h % 2)), in log2 units; l1, l2,
-    // acc are this lane's partial sums (its 2 of every 8 keys), summed over the quad at the end
-    float m1[ROWS], m2[ROWS], l1[ROWS], l2[ROWS], acc[ROWS];
+    const float c1 = fabsf(p.scale1) * SK_LOG2E, c2 = fabsf(p.scale2) * SK_LOG2E;
+    // statistics of this lane's rows (h: block h / 2, row g + 8 (h % 2)): maxima in log2 units;
+    // l1, l2 and dot1, dot2 (sums of p1 times raw s1, raw s2 over keys allowed on both sides) are
+    // this lane's partial sums (its 2 of every 8 keys), summed over the quad at the end
+    float m1[ROWS], m2[ROWS], l1[ROWS], l2[ROWS], dot1[ROWS], dot2[ROWS];
     bool uncovered[ROWS], seen1[ROWS];  // a key allowed on side 1 only / any key on side 1 (structure)
 #pragma unroll
     for (int h = 0; h < ROWS; ++h) {
         m1[h] = m2[h] = neg_inf;
-        l1[h] = l2[h] = acc[h] = 0.0f;
+        l1[h] = l2[h] = dot1[h] = dot2[h] = 0.0f;
         uncovered[h] = seen1[h] = false;
     }
     const int warp_row0 = row0 + warp * WARP_ROWS + g;  // sequence-local query row of h = 0
 
     for (int visit = 0; visit < count; ++visit) {
+        const int key0 = kv_index[visit] * BLOCK_K;
+        const bool partial = kv_partial[visit] != 0;
         sk_cp_async_wait<STAGES - 2>();
         __syncthreads();  // this visit's tile is in for every thread; the tile of visit - 1 is consumed
         const int ahead = visit + STAGES - 1;
         if (ahead < count) {
-            const int key0 = kv_index[ahead] * BLOCK_K;
             input_t* k1s = ring + (ahead % STAGES) * STAGE;
-            load_tile<BLOCK_K, D1P, THREADS>(k1s, k1_head + (long long)key0 * p.k1_n, p.k1_n, span.len_k - key0,
-                                             p.dim1, vector);
-            load_tile<BLOCK_K, D2P, THREADS>(k1s + BLOCK_K * ST1, k2_head + (long long)key0 * p.k2_n, p.k2_n,
-                                             span.len_k - key0, p.dim2, vector);
+            load_tile<BLOCK_K, D1P, THREADS>(k1s, k1_head + (long long)ahead_key0 * p.k1_n, p.k1_n,
+                                             span.len_k - ahead_key0, p.dim1, vector);
+            load_tile<BLOCK_K, D2P, THREADS>(k1s + BLOCK_K * ST1, k2_head + (long long)ahead_key0 * p.k2_n, p.k2_n,
+                                             span.len_k - ahead_key0, p.dim2, vector);
+            ahead_key0 = ahead + 1 < count ? kv_index[ahead + 1] * BLOCK_K : 0;
         }
         sk_cp_async_commit();
 
         const input_t* k1s = ring + (visit % STAGES) * STAGE;
         float s1[M_TILES][NT][4], s2[M_TILES][NT][4];
-        warp_scores<D1P, M_TILES, NT>(s1, q1s + warp * WARP_ROWS * ST1, k1s, lane);
-        warp_scores<D2P, M_TILES, NT>(s2, q2s + warp * WARP_ROWS * ST2, k1s + BLOCK_K * ST1, lane);
+        if constexpr (Q_REGS != 0) {
+            warp_scores_held<D1P, M_TILES, NT>(s1, qa1, k1s, lane);
+            warp_scores_held<D2P, M_TILES, NT>(s2, qa2, k1s + BLOCK_K * ST1, lane);
+        } else {
+            warp_scores<D1P, M_TILES, NT>(s1, warp_q1, k1s, lane);
+            warp_scores<D2P, M_TILES, NT>(s2, warp_q2, k1s + BLOCK_K * ST1, lane);
+        }
 
-        const int key0 = kv_index[visit] * BLOCK_K;
-#pragma unroll
-        for (int m = 0; m < M_TILES; ++m)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    s1[m][n][r] *= log2_scale1;
-                    s2[m][n][r] *= log2_scale2;
-                }
         // the statistics update, compiled twice: full tiles (every key allowed on both sides, no
         // element tests) and partial ones
         auto update = [&](auto partial_tile) {
             constexpr bool PARTIAL = decltype(partial_tile)::value;
             // bit 2n + (r % 2) of both[h]: key 8n + 2c + (r % 2) is allowed on both sides for row
-            // h, where d = s1 - s2 counts (0 elsewhere)
+            // h, where it enters dot1, dot2 (0 elsewhere)
             unsigned both[ROWS];
 #pragma unroll
             for (int h = 0; h < ROWS; ++h) {
@@ -245,34 +297,43 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
                     max1 = fmaxf(max1, fmaxf(s1[m][n][r0], s1[m][n][r0 + 1]));
                     max2 = fmaxf(max2, fmaxf(s2[m][n][r0], s2[m][n][r0 + 1]));
                 }
-                const float m1_new = fmaxf(m1[h], quad_max(max1));
-                const float m2_new = fmaxf(m2[h], quad_max(max2));
+                max1 = quad_max(max1);
+                max2 = quad_max(max2);
+                // c may be 0: a tile without allowed keys keeps -inf (no 0 * inf)
+                const float m1_new = fmaxf(m1[h], max1 == neg_inf ? neg_inf : max1 * c1);
+                const float m2_new = fmaxf(m2[h], max2 == neg_inf ? neg_inf : max2 * c2);
                 // a row with no key yet keeps max -inf: shift by 0 so that no inf - inf appears
                 const float shift1 = m1_new == neg_inf ? 0.0f : m1_new;
                 const float shift2 = m2_new == neg_inf ? 0.0f : m2_new;
-                float sum1 = 0.0f, sum_diff = 0.0f, sum2 = 0.0f;
+                float sum1 = 0.0f, sum2 = 0.0f, sum_dot1 = 0.0f, sum_dot2 = 0.0f;
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float e1 = sk_exp2(s1[m][n][r0 + e] - shift1);
+                        const float x1 = s1[m][n][r0 + e], x2 = s2[m][n][r0 + e];
+                        float arg1 = fmaf(x1, c1, -shift1), arg2 = fmaf(x2, c2, -shift2);
+                        if constexpr (PARTIAL) {  // a disallowed key: exp2(-inf) = 0 even where c = 0
+                            if (x1 == neg_inf) arg1 = neg_inf;
+                            if (x2 == neg_inf) arg2 = neg_inf;
+                        }
+                        const float e1 = sk_exp2(arg1);
                         sum1 += e1;
-                        const float diff = s1[m][n][r0 + e] - s2[m][n][r0 + e];
-                        if constexpr (PARTIAL)
-                            sum_diff += ((both[h] >> (2 * n + e)) & 1u) ? e1 * diff : 0.0f;
-                        else
-                            sum_diff += e1 * diff;
-                        sum2 += sk_exp2(s2[m][n][r0 + e] - shift2);
+                        sum2 += sk_exp2(arg2);
+                        if (!PARTIAL || ((both[h] >> (2 * n + e)) & 1u)) {
+                            sum_dot1 = fmaf(e1, x1, sum_dot1);
+                            sum_dot2 = fmaf(e1, x2, sum_dot2);
+                        }
                     }
                 const float alpha1 = sk_exp2(m1[h] - shift1);
-                l1[h] = l1[h] * alpha1 + sum1;
-                acc[h] = acc[h] * alpha1 + sum_diff;
-                l2[h] = l2[h] * sk_exp2(m2[h] - shift2) + sum2;
+                l1[h] = fmaf(l1[h], alpha1, sum1);
+                dot1[h] = fmaf(dot1[h], alpha1, sum_dot1);
+                dot2[h] = fmaf(dot2[h], alpha1, sum_dot2);
+                l2[h] = fmaf(l2[h], sk_exp2(m2[h] - shift2), sum2);
                 m1[h] = m1_new;
                 m2[h] = m2_new;
             }
         };
-        if (kv_partial[visit] != 0)
+        if (partial)
             update(SkBool<true>{});
         else
             update(SkBool<false>{});
@@ -282,7 +343,8 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
     // finalize (SPEC 4) as kl_forward does, converting log2 units back to natural ones
 #pragma unroll
     for (int h = 0; h < ROWS; ++h) {
-        const float sum1 = quad_sum(l1[h]), sum2 = quad_sum(l2[h]), sum_diff = quad_sum(acc[h]);
+        const float sum1 = quad_sum(l1[h]), sum2 = quad_sum(l2[h]);
+        const float sum_diff = c1 * quad_sum(dot1[h]) - c2 * quad_sum(dot2[h]);  // sum of p1 (s1 - s2), log2 units
         const bool any_uncovered = quad_max(uncovered[h] ? 1.0f : 0.0f) > 0.0f;
         const bool any_seen1 = quad_max(seen1[h] ? 1.0f : 0.0f) > 0.0f;
         const int i = warp_row0 + 8 * h;

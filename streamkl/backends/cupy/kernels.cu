@@ -225,6 +225,7 @@ SK_DEVICE void element_allowed(const KLParams& p, const SideMasks& masks, int i,
 }
 
 // ================================================================================== forward
+#ifndef SK_TENSOR_CORE_ONLY  // the tensor-core modules leave the FMA kernels out (compile time)
 // grid (query tiles, sequence*head); the SPEC's five running statistics per (row, part), merged
 // over the parts at the end; writes kl_rows, lse1, lse2, expect for every row of the tile.
 extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_forward(const KLParams p) {
@@ -386,6 +387,7 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_forward(const KLPara
     reinterpret_cast<float*>(p.lse2)[stat] = lse2;
     reinterpret_cast<float*>(p.expect)[stat] = expect;
 }
+#endif  // SK_TENSOR_CORE_ONLY
 
 // ================================================================================== backward
 // dS1 = g * p * (d - E) with d = s1 - s2 on keys allowed on both sides (0 elsewhere),
@@ -461,6 +463,7 @@ SK_DEVICE void zero_shared(float* dst, int count) {
     for (int idx = threadIdx.x; idx < count; idx += SK_THREADS) dst[idx] = 0.0f;
 }
 
+#ifndef SK_TENSOR_CORE_ONLY  // the tensor-core modules leave the FMA kernels out (compile time)
 // ---------------------------------------------------------------------------------- dq (q-major)
 // grid (query tiles * 2, sequence*head): 32 query rows per block, each thread one row and a part
 // of 4 keys of every key tile; dq rows are owned by one block: plain stores, no atomics.
@@ -562,7 +565,9 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_backward_dq(const KL
         store_rows(reinterpret_cast<float*>(p.dq2) + seq * p.dq2_b + token0 * p.dq2_n + head * p.dq2_h, p.dq2_n,
                    acc2, st2, valid_q, p.dim2, p.scale2);
 }
+#endif  // SK_TENSOR_CORE_ONLY
 
+#ifndef SK_TENSOR_CORE_ONLY  // the tensor-core modules leave the FMA kernels out (compile time)
 // ---------------------------------------------------------------------------------- dk (key-major)
 // grid (key tiles, sequence * key head of the driving side): 32 key rows per block, looping over
 // the query heads of that key head's group (the GQA sum stays in the block) and, for each, over
@@ -681,6 +686,7 @@ extern "C" __global__ void __launch_bounds__(SK_THREADS) kl_backward_dk(const KL
         store_rows(reinterpret_cast<float*>(p.dk2) + seq * p.dk2_b + token0 * p.dk2_n + head_k * p.dk2_h, p.dk2_n,
                    acc2, st2, valid_k, p.dim2, p.scale2);
 }
+#endif  // SK_TENSOR_CORE_ONLY
 
 #if STREAMKL_INPUT != 0
 #include "forward_mma.cuh"

@@ -78,9 +78,45 @@ def source_text() -> str:
 
 
 @dataclass(frozen=True)
+class ForwardTiles:
+    """The tile shape of the tensor-core forward: keys per tile, 16-row blocks per warp, warps per
+    block, cp.async stages, and whether each warp holds its q A fragments in registers."""
+
+    block_k: int
+    m_tiles: int
+    warps: int
+    stages: int = 2
+    q_regs: int = 0
+
+
+#: Tile shapes of the tensor-core forward for head dims up to 128 + 128, timed side by side by
+#: `benchmarks/cupy_forward_h200.py --config` and each checked against the reference on a GPU
+#: (tests/test_cupy_gpu.py); `forward_shape` picks one.
+FORWARD_CANDIDATES = {
+    "k32-m2-w4": ForwardTiles(32, 2, 4),  # 128 rows, two 16-row blocks per warp share each key fragment
+    "k64-m2-w4": ForwardTiles(64, 2, 4),  # the same with 64-key tiles: half the barriers per key
+    "k32-m2-w4-s3": ForwardTiles(32, 2, 4, stages=3),  # a three-deep key ring
+    "k64-m1-w8": ForwardTiles(64, 1, 8),  # 128 rows, 8 warps of 16 rows (the key tile serves 8 warps)
+    "k64-m1-w8-qr": ForwardTiles(64, 1, 8, q_regs=1),  # the same, q fragments held in registers
+    "k32-m2-w8": ForwardTiles(32, 2, 8),  # 256 rows, 8 warps of 32 rows
+    "k32-m2-w4-qr": ForwardTiles(32, 2, 4, q_regs=1),  # q in registers: 64 + 64 only (registers)
+    "k64-m2-w4-qr": ForwardTiles(64, 2, 4, q_regs=1),  # the same with 64-key tiles
+}
+
+
+def forward_shape(dim1: int, dim2: int) -> ForwardTiles:
+    """The tile shape of the tensor-core forward for head dims `dim1`, `dim2` (rounded up to 16)."""
+    if dim1 + dim2 <= 256:
+        # two 16-row blocks per warp share every key fragment (half the shared-memory reads) while
+        # the score tiles fit the registers without spilling and two blocks fit an SM
+        return FORWARD_CANDIDATES["k32-m2-w4"]
+    return ForwardTiles(32, 1, 4)  # wider heads: one 16-row block per warp, in half the shared memory
+
+
+@dataclass(frozen=True)
 class MmaForward:
     """Template arguments of kl_forward_mma (forward_mma.cuh): head dims rounded up to 16, the key
-    tile, 16-row blocks per warp, warps per block, cp.async stages."""
+    tile, 16-row blocks per warp, warps per block, cp.async stages, q fragments in registers."""
 
     dim1: int
     dim2: int
@@ -88,6 +124,11 @@ class MmaForward:
     m_tiles: int
     warps: int = 4
     stages: int = 2
+    q_regs: int = 0
+
+    @classmethod
+    def of(cls, dim1: int, dim2: int, tiles: ForwardTiles) -> MmaForward:
+        return cls(dim1, dim2, tiles.block_k, tiles.m_tiles, tiles.warps, tiles.stages, tiles.q_regs)
 
     @property
     def block_q(self) -> int:
@@ -99,7 +140,7 @@ class MmaForward:
 
     @property
     def args(self) -> tuple[int, ...]:
-        return (self.dim1, self.dim2, self.block_k, self.m_tiles, self.warps, self.stages)
+        return (self.dim1, self.dim2, self.block_k, self.m_tiles, self.warps, self.stages, self.q_regs)
 
     @property
     def name(self) -> str:
@@ -117,10 +158,7 @@ def forward_variant(problem: Problem) -> MmaForward | None:
     if problem.dtype == torch.float32:
         return None
     dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
-    # two 16-row blocks per warp share every key fragment (half the shared-memory reads) while the
-    # score tiles fit the registers without spilling (168 at 128 + 128, nvcc -Xptxas -v) and two
-    # blocks fit an SM; wider heads keep one block per warp, in half the shared memory
-    return MmaForward(dim1, dim2, block_k=32, m_tiles=2 if dim1 + dim2 <= 256 else 1)
+    return MmaForward.of(dim1, dim2, forward_shape(dim1, dim2))
 
 
 @dataclass(frozen=True)
@@ -241,6 +279,12 @@ def _functions(input_code: int, device_index: int):
     return functions
 
 
+def mma_options(input_code: int) -> tuple[str, ...]:
+    """NVRTC options of a tensor-core module: the FMA kernels are left out (they serve float32,
+    and compiling them would double a new shape's first-call time)."""
+    return ("--std=c++17", f"-DSTREAMKL_INPUT={input_code}", "-DSK_TENSOR_CORE_ONLY")
+
+
 @functools.cache
 def _mma_functions(input_code: int, variants: tuple[MmaForward | MmaBackward, ...], device_index: int):
     """The tensor-core kernels `variants` for one input dtype on one device, compiled together
@@ -250,7 +294,7 @@ def _mma_functions(input_code: int, variants: tuple[MmaForward | MmaBackward, ..
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(
             code=source_text(),
-            options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"),
+            options=mma_options(input_code),
             name_expressions=[variant.name for variant in variants],
         )
         functions = {}
