@@ -22,16 +22,21 @@ import streamkl
 from streamkl import BlockMask
 from streamkl.backends.cupy import CupyBackend, emulate
 from streamkl.backends.cupy.launch import (
+    FORWARD_CANDIDATES,
     SOURCE,
     MmaBackward,
     MmaForward,
     backward_variants,
     forward_variant,
+    forward_with,
+    mma_options,
     params_dtype,
     shared_bytes,
     source_text,
 )
+from streamkl.problem import build_problem
 from streamkl.reference import reference_kl
+from streamkl.sparse.schedule import get_schedule
 from streamkl.varlen import cu_seqlens_from_lengths
 
 _REASONS = CupyBackend().environment_reasons()
@@ -57,6 +62,17 @@ MMA_BACKWARD = [
 ]
 
 
+def _nvcc(arch: int, code: int, names, tmp_path, defines=()):
+    """Compile the NVRTC text with `names` instantiated; return nvcc's (returncode, output)."""
+    unit = tmp_path / "unit.cu"  # the text NVRTC compiles (local includes inlined)
+    lines = [source_text(), *(f"template __global__ void {name}(const KLParams);" for name in names)]
+    unit.write_text("\n".join(lines) + "\n")
+    command = ["nvcc", f"-arch=sm_{arch}", "-std=c++17", f"-DSTREAMKL_INPUT={code}", *defines, "-c", str(unit),
+               "-o", str(tmp_path / "kernels.o")]
+    result = subprocess.run(command, capture_output=True, text=True)
+    return result.returncode, result.stdout + result.stderr
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize(
     "arch,code",
@@ -64,27 +80,33 @@ MMA_BACKWARD = [
     ids=["sm80-fp32", "sm80-fp16", "sm80-bf16", "sm90-fp16", "sm90-bf16"],
 )
 def test_kernels_compile_with_nvcc(arch, code, tmp_path):
-    unit = tmp_path / "unit.cu"  # the text NVRTC compiles (local includes inlined)
-    lines = [source_text()]
-    if code != 0:  # the tensor-core forward is a template: instantiate the variants it is launched as
-        lines += [f"template __global__ void {v.name}(const KLParams);" for v in MMA_VARIANTS + MMA_BACKWARD]
-    unit.write_text("\n".join(lines) + "\n")
-    result = subprocess.run(
-        [
-            "nvcc",
-            f"-arch=sm_{arch}",
-            "-std=c++17",
-            f"-DSTREAMKL_INPUT={code}",
-            "-c",
-            str(unit),
-            "-o",
-            str(tmp_path / "kernels.o"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "warning" not in (result.stdout + result.stderr).lower(), result.stdout + result.stderr
+    # the tensor-core kernels are templates: instantiate the variants they are launched as
+    names = [v.name for v in MMA_VARIANTS + MMA_BACKWARD] if code != 0 else []
+    returncode, output = _nvcc(arch, code, names, tmp_path)
+    assert returncode == 0, output
+    assert "warning" not in output.lower(), output
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_forward_candidates_compile_with_nvcc(tmp_path):
+    """Every candidate tile shape, as a tensor-core module is compiled (without the FMA kernels);
+    sm_90 only: the other architectures compile the same text (test_kernels_compile_with_nvcc)."""
+    arch, code = 90, 2
+    names = [MmaForward.of(*_candidate_dims(tiles), tiles).name for tiles in FORWARD_CANDIDATES.values()]
+    defines = [option for option in mma_options(code) if option.startswith("-D")]
+    returncode, output = _nvcc(arch, code, names, tmp_path, defines)
+    assert returncode == 0, output
+    assert "warning" not in output.lower(), output
+
+
+def _candidate_dims(tiles) -> tuple[int, int]:
+    """The head dims a candidate serves best: q fragments held two blocks per warp fit 64 + 64."""
+    return (64, 64) if tiles.q_regs and tiles.m_tiles == 2 else (128, 128)
+
+
+def test_forward_candidates_fit_shared_memory():
+    for tiles in FORWARD_CANDIDATES.values():
+        assert MmaForward.of(128, 128, tiles).shared_bytes <= 227 * 1024  # Hopper's opt-in limit
 
 
 def test_nvrtc_source_inlines_the_local_includes():
@@ -477,3 +499,63 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+# ---------------------------------------------------------------------------------- forward candidates
+def _check_candidate(name, dims, dtype, shape_q, shape_k, heads, heads_k, **options):
+    """The tensor-core forward on candidate tile shape `name` against the float64 reference
+    (outputs poisoned by conftest): KL, lse1, lse2, with their infinities."""
+    tiles = FORWARD_CANDIDATES[name]
+    inputs = make_inputs(shape_q, shape_k, heads, heads_k, dims, dtype, DEVICE, (False,) * 4)
+    problem = build_problem(*inputs, **options)
+    variant = MmaForward.of(-(-dims[0] // 16) * 16, -(-dims[1] // 16) * 16, tiles)
+    schedule = get_schedule(problem, variant.block_q, variant.block_k)
+    kl, lse1, lse2, _ = forward_with(variant, problem, *inputs, schedule)
+    ref, ref_lse1, ref_lse2 = reference_kl(*(t.double() for t in inputs), **options)
+    for label, a, e in (("kl", kl, ref), ("lse1", lse1, ref_lse1), ("lse2", lse2, ref_lse2)):
+        assert not torch.isnan(a).any(), f"{label}: NaN"
+        assert torch.equal(torch.isinf(a), torch.isinf(e)), f"{label}: infinities differ"
+        finite = torch.isfinite(e)
+        assert rel_l2(a[finite], e[finite]) <= 1e-2, label
+    return kl
+
+
+@pytest.mark.skipif(not EMULATED, reason="the emulated candidates (on a GPU: test_forward_candidate_on_gpu)")
+@pytest.mark.parametrize("name", list(FORWARD_CANDIDATES))
+def test_forward_candidate_emulated(name):
+    """Each candidate on the CPU emulator: several key tiles with partial ones last (bounds,
+    causal window, a side-1 block mask), negative scales (negated q), a zero one, and whole query
+    tiles whose full key tiles take the pipelined loop."""
+    pattern = torch.rand(1, 2, 1, 3, device=DEVICE) < 0.6
+    pattern[..., -1] = True
+    _check_candidate(name, (32, 24), torch.bfloat16, (1, 40), (1, 150), 2, (1, 2), causal=True, window=(90, -1),
+                     mask1=BlockMask.from_dense(pattern, (64, 64)), scale1=-0.2, scale2=0.0)
+    # whole query tiles: full key tiles, then a partial one (sequence 0) or none (sequence 1)
+    tiles = FORWARD_CANDIDATES[name]
+    block_q = 16 * tiles.m_tiles * tiles.warps
+    cu_q = cu_seqlens_from_lengths([block_q, block_q], DEVICE)
+    cu_k = cu_seqlens_from_lengths([150, 128], DEVICE)
+    _check_candidate(name, (16, 40), torch.float16, (2 * block_q,), (278,), 2, (2, 1), cu_seqlens=cu_q,
+                     cu_seqlens_k=cu_k, scale2=-0.3)
+
+
+@gpu_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(FORWARD_CANDIDATES))
+def test_forward_candidate_on_gpu(name, dtype):
+    """Each candidate at 128 + 128, 128 + 64 and 64 + 64: many query and key tiles (lengths not
+    multiples of the tiles), GQA, causal, windows, masks per side, varlen with empty sequences,
+    negative and zero scales, rows not 16-byte aligned (element loads)."""
+    _check_candidate(name, (128, 128), dtype, (2, 1000), (2, 777), 4, (2, 4), causal=True)
+    _check_candidate(name, (128, 64), dtype, (1, 300), (1, 1030), 4, (4, 1), window=(200, 30), scale1=-0.05)
+    pattern = torch.rand(2, 4, 5, 9, device=DEVICE) < 0.5
+    pattern[..., 0] = True
+    wider = pattern | (torch.rand(pattern.shape, device=DEVICE) < 0.3)
+    _check_candidate(name, (64, 64), dtype, (2, 260), (2, 520), 4, (2, 4), causal=True,
+                     mask1=BlockMask.from_dense(pattern, (64, 64)), mask2=BlockMask.from_dense(wider, (64, 64)))
+    len_q, len_k = [37, 0, 1000, 5, 64, 0], [50, 3, 0, 20, 777, 9]
+    cu_q, cu_k = cu_seqlens_from_lengths(len_q, DEVICE), cu_seqlens_from_lengths(len_k, DEVICE)
+    _check_candidate(name, (64, 64), dtype, (sum(len_q) + 6,), (sum(len_k) + 2,), 4, (2, 1),
+                     cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=True, scale2=0.0)
+    _check_candidate(name, (60, 56), dtype, (1, 333), (1, 401), 2, (2, 2), causal=True)  # element loads

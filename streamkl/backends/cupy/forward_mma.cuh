@@ -134,7 +134,7 @@ SK_DEVICE void negate_pairs(input_t* rows, int words) {
 // grid (query tiles, sequence * head), WARPS * 32 threads; the schedule's tiles are BLOCK_Q x BLOCK_K.
 // Q_REGS: each warp holds its q1, q2 A fragments in registers for the whole block (no ldmatrix of
 // q per key tile). Writes kl_rows, lse1, lse2, expect for every row of the tile, as kl_forward does.
-template <int D1P, int D2P, int BLOCK_K, int M_TILES, int WARPS, int STAGES, int Q_REGS>
+template <int D1P, int D2P, int BLOCK_K, int M_TILES, int WARPS, int STAGES, int Q_REGS, int PIPELINE>
 __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
     constexpr int THREADS = WARPS * 32;
     constexpr int WARP_ROWS = 16 * M_TILES;
@@ -232,9 +232,9 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
     }
     const int warp_row0 = row0 + warp * WARP_ROWS + g;  // sequence-local query row of h = 0
 
-    for (int visit = 0; visit < count; ++visit) {
-        const int key0 = kv_index[visit] * BLOCK_K;
-        const bool partial = kv_partial[visit] != 0;
+    // the scores of visit `visit` into s1, s2: wait for its key tiles, issue the loads STAGES - 1
+    // visits ahead (into the slot the previous visit's product has left), multiply
+    auto scores_of = [&](int visit, float (&s1)[M_TILES][NT][4], float (&s2)[M_TILES][NT][4]) {
         sk_cp_async_wait<STAGES - 2>();
         __syncthreads();  // this visit's tile is in for every thread; the tile of visit - 1 is consumed
         const int ahead = visit + STAGES - 1;
@@ -247,9 +247,7 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
             ahead_key0 = ahead + 1 < count ? kv_index[ahead + 1] * BLOCK_K : 0;
         }
         sk_cp_async_commit();
-
         const input_t* k1s = ring + (visit % STAGES) * STAGE;
-        float s1[M_TILES][NT][4], s2[M_TILES][NT][4];
         if constexpr (Q_REGS != 0) {
             warp_scores_held<D1P, M_TILES, NT>(s1, qa1, k1s, lane);
             warp_scores_held<D2P, M_TILES, NT>(s2, qa2, k1s + BLOCK_K * ST1, lane);
@@ -257,86 +255,122 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
             warp_scores<D1P, M_TILES, NT>(s1, warp_q1, k1s, lane);
             warp_scores<D2P, M_TILES, NT>(s2, warp_q2, k1s + BLOCK_K * ST1, lane);
         }
+    };
 
-        // the statistics update, compiled twice: full tiles (every key allowed on both sides, no
-        // element tests) and partial ones
-        auto update = [&](auto partial_tile) {
-            constexpr bool PARTIAL = decltype(partial_tile)::value;
-            // bit 2n + (r % 2) of both[h]: key 8n + 2c + (r % 2) is allowed on both sides for row
-            // h, where it enters dot1, dot2 (0 elsewhere)
-            unsigned both[ROWS];
+    // the statistics update with the scores of visit `visit`, compiled twice: full tiles (every key
+    // allowed on both sides, no element tests) and partial ones
+    auto update = [&](auto partial_tile, int visit, float (&s1)[M_TILES][NT][4], float (&s2)[M_TILES][NT][4]) {
+        constexpr bool PARTIAL = decltype(partial_tile)::value;
+        // bit 2n + (r % 2) of both[h]: key 8n + 2c + (r % 2) is allowed on both sides for row h,
+        // where it enters dot1, dot2 (0 elsewhere)
+        unsigned both[ROWS];
 #pragma unroll
-            for (int h = 0; h < ROWS; ++h) {
-                both[h] = 0xffffffffu;
-                if (!PARTIAL) seen1[h] = true;
-            }
-            if constexpr (PARTIAL) {
+        for (int h = 0; h < ROWS; ++h) {
+            both[h] = 0xffffffffu;
+            if (!PARTIAL) seen1[h] = true;
+        }
+        if constexpr (PARTIAL) {
+            const int key0 = kv_index[visit] * BLOCK_K;
 #pragma unroll
-                for (int m = 0; m < M_TILES; ++m)
-#pragma unroll
-                    for (int n = 0; n < NT; ++n)
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) {
-                            const int h = 2 * m + r / 2;
-                            bool allowed1, allowed2;
-                            element_allowed(p, masks, warp_row0 + 8 * h, key0 + 8 * n + 2 * c + (r % 2), span.len_q,
-                                            span.len_k, allowed1, allowed2);
-                            if (!allowed1) s1[m][n][r] = neg_inf;
-                            if (!allowed2) s2[m][n][r] = neg_inf;
-                            if (!(allowed1 && allowed2)) both[h] &= ~(1u << (2 * n + r % 2));
-                            uncovered[h] = uncovered[h] || (allowed1 && !allowed2);
-                            seen1[h] = seen1[h] || allowed1;
-                        }
-            }
-#pragma unroll
-            for (int h = 0; h < ROWS; ++h) {
-                const int m = h / 2, r0 = 2 * (h % 2);
-                float max1 = neg_inf, max2 = neg_inf;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    max1 = fmaxf(max1, fmaxf(s1[m][n][r0], s1[m][n][r0 + 1]));
-                    max2 = fmaxf(max2, fmaxf(s2[m][n][r0], s2[m][n][r0 + 1]));
-                }
-                max1 = quad_max(max1);
-                max2 = quad_max(max2);
-                // c may be 0: a tile without allowed keys keeps -inf (no 0 * inf)
-                const float m1_new = fmaxf(m1[h], max1 == neg_inf ? neg_inf : max1 * c1);
-                const float m2_new = fmaxf(m2[h], max2 == neg_inf ? neg_inf : max2 * c2);
-                // a row with no key yet keeps max -inf: shift by 0 so that no inf - inf appears
-                const float shift1 = m1_new == neg_inf ? 0.0f : m1_new;
-                const float shift2 = m2_new == neg_inf ? 0.0f : m2_new;
-                float sum1 = 0.0f, sum2 = 0.0f, sum_dot1 = 0.0f, sum_dot2 = 0.0f;
+            for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x1 = s1[m][n][r0 + e], x2 = s2[m][n][r0 + e];
-                        float arg1 = fmaf(x1, c1, -shift1), arg2 = fmaf(x2, c2, -shift2);
-                        if constexpr (PARTIAL) {  // a disallowed key: exp2(-inf) = 0 even where c = 0
-                            if (x1 == neg_inf) arg1 = neg_inf;
-                            if (x2 == neg_inf) arg2 = neg_inf;
-                        }
-                        const float e1 = sk_exp2(arg1);
-                        sum1 += e1;
-                        sum2 += sk_exp2(arg2);
-                        if (!PARTIAL || ((both[h] >> (2 * n + e)) & 1u)) {
-                            sum_dot1 = fmaf(e1, x1, sum_dot1);
-                            sum_dot2 = fmaf(e1, x2, sum_dot2);
-                        }
+                    for (int r = 0; r < 4; ++r) {
+                        const int h = 2 * m + r / 2;
+                        bool allowed1, allowed2;
+                        element_allowed(p, masks, warp_row0 + 8 * h, key0 + 8 * n + 2 * c + (r % 2), span.len_q,
+                                        span.len_k, allowed1, allowed2);
+                        if (!allowed1) s1[m][n][r] = neg_inf;
+                        if (!allowed2) s2[m][n][r] = neg_inf;
+                        if (!(allowed1 && allowed2)) both[h] &= ~(1u << (2 * n + r % 2));
+                        uncovered[h] = uncovered[h] || (allowed1 && !allowed2);
+                        seen1[h] = seen1[h] || allowed1;
                     }
-                const float alpha1 = sk_exp2(m1[h] - shift1);
-                l1[h] = fmaf(l1[h], alpha1, sum1);
-                dot1[h] = fmaf(dot1[h], alpha1, sum_dot1);
-                dot2[h] = fmaf(dot2[h], alpha1, sum_dot2);
-                l2[h] = fmaf(l2[h], sk_exp2(m2[h] - shift2), sum2);
-                m1[h] = m1_new;
-                m2[h] = m2_new;
+        }
+#pragma unroll
+        for (int h = 0; h < ROWS; ++h) {
+            const int m = h / 2, r0 = 2 * (h % 2);
+            float max1 = neg_inf, max2 = neg_inf;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                max1 = fmaxf(max1, fmaxf(s1[m][n][r0], s1[m][n][r0 + 1]));
+                max2 = fmaxf(max2, fmaxf(s2[m][n][r0], s2[m][n][r0 + 1]));
             }
-        };
-        if (partial)
-            update(SkBool<true>{});
+            max1 = quad_max(max1);
+            max2 = quad_max(max2);
+            // c may be 0: a tile without allowed keys keeps -inf (no 0 * inf)
+            const float m1_new = fmaxf(m1[h], max1 == neg_inf ? neg_inf : max1 * c1);
+            const float m2_new = fmaxf(m2[h], max2 == neg_inf ? neg_inf : max2 * c2);
+            // a row with no key yet keeps max -inf: shift by 0 so that no inf - inf appears
+            const float shift1 = m1_new == neg_inf ? 0.0f : m1_new;
+            const float shift2 = m2_new == neg_inf ? 0.0f : m2_new;
+            float sum1 = 0.0f, sum2 = 0.0f, sum_dot1 = 0.0f, sum_dot2 = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x1 = s1[m][n][r0 + e], x2 = s2[m][n][r0 + e];
+                    float arg1 = fmaf(x1, c1, -shift1), arg2 = fmaf(x2, c2, -shift2);
+                    if constexpr (PARTIAL) {  // a disallowed key: exp2(-inf) = 0 even where c = 0
+                        if (x1 == neg_inf) arg1 = neg_inf;
+                        if (x2 == neg_inf) arg2 = neg_inf;
+                    }
+                    const float e1 = sk_exp2(arg1);
+                    sum1 += e1;
+                    sum2 += sk_exp2(arg2);
+                    if (!PARTIAL || ((both[h] >> (2 * n + e)) & 1u)) {
+                        sum_dot1 = fmaf(e1, x1, sum_dot1);
+                        sum_dot2 = fmaf(e1, x2, sum_dot2);
+                    }
+                }
+            const float alpha1 = sk_exp2(m1[h] - shift1);
+            l1[h] = fmaf(l1[h], alpha1, sum1);
+            dot1[h] = fmaf(dot1[h], alpha1, sum_dot1);
+            dot2[h] = fmaf(dot2[h], alpha1, sum_dot2);
+            l2[h] = fmaf(l2[h], sk_exp2(m2[h] - shift2), sum2);
+            m1[h] = m1_new;
+            m2[h] = m2_new;
+        }
+    };
+    auto update_any = [&](int visit, float (&s1)[M_TILES][NT][4], float (&s2)[M_TILES][NT][4]) {
+        if (kv_partial[visit] != 0)
+            update(SkBool<true>{}, visit, s1, s2);
         else
-            update(SkBool<false>{});
+            update(SkBool<false>{}, visit, s1, s2);
+    };
+
+    int visit = 0;
+    if constexpr (PIPELINE != 0) {
+        // two score tiles in flight: the products of visit + 1 are issued next to the statistics
+        // update of visit (full tiles, one basic block), so tensor cores and exponentials overlap
+        // within a warp. The full tiles come first in the list; the rest take the plain loop.
+        if (count > 0) {
+            float sa1[M_TILES][NT][4], sa2[M_TILES][NT][4], sb1[M_TILES][NT][4], sb2[M_TILES][NT][4];
+            scores_of(0, sa1, sa2);
+            bool in_a = true;  // the scores of `visit` are in sa (else sb)
+            while (visit + 1 < count && kv_partial[visit] == 0) {
+                if (in_a) {
+                    scores_of(visit + 1, sb1, sb2);
+                    update(SkBool<false>{}, visit, sa1, sa2);
+                } else {
+                    scores_of(visit + 1, sa1, sa2);
+                    update(SkBool<false>{}, visit, sb1, sb2);
+                }
+                in_a = !in_a;
+                ++visit;
+            }
+            if (in_a)
+                update_any(visit, sa1, sa2);
+            else
+                update_any(visit, sb1, sb2);
+            ++visit;
+        }
+    }
+    for (; visit < count; ++visit) {
+        float s1[M_TILES][NT][4], s2[M_TILES][NT][4];
+        scores_of(visit, s1, s2);
+        update_any(visit, s1, s2);
     }
     sk_cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
 

@@ -80,13 +80,15 @@ def source_text() -> str:
 @dataclass(frozen=True)
 class ForwardTiles:
     """The tile shape of the tensor-core forward: keys per tile, 16-row blocks per warp, warps per
-    block, cp.async stages, and whether each warp holds its q A fragments in registers."""
+    block, cp.async stages, whether each warp holds its q A fragments in registers, and whether it
+    keeps two score tiles in flight (the next tile's products next to this one's exponentials)."""
 
     block_k: int
     m_tiles: int
     warps: int
     stages: int = 2
     q_regs: int = 0
+    pipeline: int = 0
 
 
 #: Tile shapes of the tensor-core forward for head dims up to 128 + 128, timed side by side by
@@ -101,6 +103,10 @@ FORWARD_CANDIDATES = {
     "k32-m2-w8": ForwardTiles(32, 2, 8),  # 256 rows, 8 warps of 32 rows
     "k32-m2-w4-qr": ForwardTiles(32, 2, 4, q_regs=1),  # q in registers: 64 + 64 only (registers)
     "k64-m2-w4-qr": ForwardTiles(64, 2, 4, q_regs=1),  # the same with 64-key tiles
+    "k32-m2-w4-pl": ForwardTiles(32, 2, 4, pipeline=1),  # two score tiles in flight per warp
+    "k64-m1-w8-pl": ForwardTiles(64, 1, 8, pipeline=1),
+    "k32-m1-w8-pl": ForwardTiles(32, 1, 8, pipeline=1),
+    "k32-m1-w8-qr-pl": ForwardTiles(32, 1, 8, q_regs=1, pipeline=1),
 }
 
 
@@ -116,7 +122,8 @@ def forward_shape(dim1: int, dim2: int) -> ForwardTiles:
 @dataclass(frozen=True)
 class MmaForward:
     """Template arguments of kl_forward_mma (forward_mma.cuh): head dims rounded up to 16, the key
-    tile, 16-row blocks per warp, warps per block, cp.async stages, q fragments in registers."""
+    tile, 16-row blocks per warp, warps per block, cp.async stages, q fragments in registers, two
+    score tiles in flight."""
 
     dim1: int
     dim2: int
@@ -125,10 +132,11 @@ class MmaForward:
     warps: int = 4
     stages: int = 2
     q_regs: int = 0
+    pipeline: int = 0
 
     @classmethod
     def of(cls, dim1: int, dim2: int, tiles: ForwardTiles) -> MmaForward:
-        return cls(dim1, dim2, tiles.block_k, tiles.m_tiles, tiles.warps, tiles.stages, tiles.q_regs)
+        return cls(dim1, dim2, tiles.block_k, tiles.m_tiles, tiles.warps, tiles.stages, tiles.q_regs, tiles.pipeline)
 
     @property
     def block_q(self) -> int:
@@ -140,7 +148,8 @@ class MmaForward:
 
     @property
     def args(self) -> tuple[int, ...]:
-        return (self.dim1, self.dim2, self.block_k, self.m_tiles, self.warps, self.stages, self.q_regs)
+        return (self.dim1, self.dim2, self.block_k, self.m_tiles, self.warps, self.stages, self.q_regs,
+                self.pipeline)
 
     @property
     def name(self) -> str:
@@ -337,6 +346,8 @@ def _launch(kernel: str | MmaForward | MmaBackward, tiles: int, pairs: int, para
         forward = forward_variant(problem)
         backward = None if problem.dtype == torch.float32 else backward_shape(problem)
         if isinstance(kernel, MmaForward):
+            if kernel != forward:  # a variant the backward never pairs with: no backward kernels to build
+                backward = None
             index, forward = 3, kernel
         else:
             index = kernel.emulator_index if mma else KERNELS.index(kernel)
