@@ -8,6 +8,7 @@ test_varlen.py, test_block_mask.py) covers the backend too: `pytest -k cupy`.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -27,8 +28,11 @@ from streamkl.backends.cupy.launch import (
     MmaBackward,
     MmaForward,
     backward_variants,
+    backward_with,
+    forward_tiles,
     forward_variant,
     forward_with,
+    kl_forward,
     mma_options,
     params_dtype,
     shared_bytes,
@@ -59,6 +63,7 @@ MMA_BACKWARD = [
     MmaBackward("dq", 256, 256, 1, 1, 0), MmaBackward("dk", 256, 256, 1, 0, 1), MmaBackward("dk", 16, 48, 2, 1, 1),
     MmaBackward("dk", 128, 128, 2, 0, 1, 1), MmaBackward("dk", 64, 64, 2, 1, 1, 1),
     MmaBackward("dk", 16, 48, 2, 1, 1, 1), MmaBackward("dk", 128, 80, 2, 1, 0, 1),
+    MmaBackward("dk", 128, 128, 2, 0, 1, 1, 128), MmaBackward("dk", 64, 48, 2, 1, 1, 1, 128),  # 128-key blocks
 ]
 
 
@@ -128,9 +133,6 @@ def test_nvrtc_source_inlines_the_local_includes():
     ids=["fp32-fma", "bf16-128", "fp16-80x24", "bf16-1x7", "bf16-200x130", "fp16-256"],
 )
 def test_forward_variant_follows_the_problem(dtype, dims, expected):
-    from streamkl.backends.cupy.launch import forward_tiles
-    from streamkl.problem import build_problem
-
     q1 = torch.randn(1, 70, 2, dims[0]).to(dtype)
     q2 = torch.randn(1, 70, 2, dims[1]).to(dtype)
     problem = build_problem(q1, q1, q2, q2)
@@ -142,18 +144,20 @@ def test_forward_variant_follows_the_problem(dtype, dims, expected):
     "dtype,dims,heads_k,needs,deterministic,expected",
     [
         (torch.float32, (128, 128), (2, 2), (1, 1, 1, 1), False, None),
-        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), False, ["dk<128, 128, 2, 0, 1, 1>"]),
-        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), True, ["dq<128, 128, 2, 0, 1>", "dk<128, 128, 2, 0, 1, 0>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), False, ["dk<128, 128, 2, 0, 1, 1, 64>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), True,
+         ["dq<128, 128, 2, 0, 1>", "dk<128, 128, 2, 0, 1, 0, 64>"]),
         (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), False,
-         ["dk<128, 128, 2, 1, 0, 1>", "dk<128, 128, 2, 0, 1, 1>"]),
-        (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), True, ["dq<128, 128, 2, 1, 1>", "dk<128, 128, 2, 1, 1, 0>"]),
-        (torch.bfloat16, (64, 64), (2, 2), (1, 1, 1, 1), False, ["dk<64, 64, 2, 1, 1, 1>"]),
+         ["dk<128, 128, 2, 1, 0, 1, 64>", "dk<128, 128, 2, 0, 1, 1, 64>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), True,
+         ["dq<128, 128, 2, 1, 1>", "dk<128, 128, 2, 1, 1, 0, 64>"]),
+        (torch.bfloat16, (64, 64), (2, 2), (1, 1, 1, 1), False, ["dk<64, 64, 2, 1, 1, 1, 64>"]),
         (torch.float16, (64, 40), (2, 1), (1, 1, 1, 1), True,
-         ["dq<64, 48, 2, 1, 1>", "dk<64, 48, 2, 1, 0, 0>", "dk<64, 48, 2, 0, 1, 0>"]),
-        (torch.float16, (64, 40), (2, 1), (1, 0, 1, 1), False, ["dq<64, 48, 2, 1, 0>", "dk<64, 48, 2, 0, 1, 1>"]),
+         ["dq<64, 48, 2, 1, 1>", "dk<64, 48, 2, 1, 0, 0, 64>", "dk<64, 48, 2, 0, 1, 0, 64>"]),
+        (torch.float16, (64, 40), (2, 1), (1, 0, 1, 1), False, ["dq<64, 48, 2, 1, 0>", "dk<64, 48, 2, 0, 1, 1, 64>"]),
         (torch.float16, (200, 130), (2, 2), (1, 0, 1, 1), False,
-         ["dq<208, 144, 1, 1, 0>", "dq<208, 144, 1, 0, 1>", "dk<208, 144, 1, 0, 1, 0>"]),
-        (torch.bfloat16, (32, 32), (2, 2), (0, 1, 0, 0), False, ["dk<32, 32, 2, 1, 0, 0>"]),
+         ["dq<208, 144, 1, 1, 0>", "dq<208, 144, 1, 0, 1>", "dk<208, 144, 1, 0, 1, 0, 64>"]),
+        (torch.bfloat16, (32, 32), (2, 2), (0, 1, 0, 0), False, ["dk<32, 32, 2, 1, 0, 0, 64>"]),
     ],
     ids=["fp32-fma", "bf16-student", "bf16-student-det", "bf16-all4", "bf16-all4-det", "bf16-64-all4",
          "fp16-gqa-differs-det", "fp16-gqa-differs", "fp16-wide", "bf16-k1-only"],
@@ -175,8 +179,9 @@ def test_tensor_core_backward_fits_shared_memory():
             for kernel, atomic in (("dq", 0), ("dk", 0), ("dk", 1)):
                 need = MmaBackward(kernel, dim1, dim2, stages, 1, 1, atomic).shared_bytes
                 assert need <= 163 * 1024  # A100's opt-in limit
-                if stages == 2:  # two blocks per SM on Hopper
+                if stages == 2:  # two blocks per SM on Hopper; 128-key blocks (one per SM) fit an A100
                     assert 2 * need <= 227 * 1024
+                    assert MmaBackward(kernel, dim1, dim2, stages, 1, 1, atomic, 128).shared_bytes <= 163 * 1024
 
 
 def test_tensor_core_forward_fits_shared_memory():
@@ -559,3 +564,30 @@ def test_forward_candidate_on_gpu(name, dtype):
     _check_candidate(name, (64, 64), dtype, (sum(len_q) + 6,), (sum(len_k) + 2,), 4, (2, 1),
                      cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=True, scale2=0.0)
     _check_candidate(name, (60, 56), dtype, (1, 333), (1, 401), 2, (2, 2), causal=True)  # element loads
+
+
+# ---------------------------------------------------------------------------------- dk blocks of 128 keys
+@needs_backend
+@pytest.mark.parametrize("needs", [(0, 0, 1, 1), (1, 1, 1, 1), (1, 1, 0, 1)], ids=["student", "all-four", "mixed"])
+def test_backward_128_key_blocks(needs):
+    """The key-major backward with 128-key blocks (8 warps, the transposed schedule of 64 x 128
+    tiles, one dq atomic per 128 keys) against the float64 reference's gradients."""
+    if ON_GPU:
+        shape_q, shape_k, dims = (2, 700), (2, 900), (128, 64)
+    else:
+        shape_q, shape_k, dims = (1, 100), (1, 200), (32, 16)
+    inputs = make_inputs(shape_q, shape_k, 4, (2, 4), dims, torch.bfloat16, DEVICE, (False,) * 4)
+    problem = build_problem(*inputs, causal=True, window=(150, -1))
+    _, lse1, lse2, expect = kl_forward(problem, *inputs, get_schedule(problem, *forward_tiles(problem)))
+    grad_rows = torch.randn(*shape_q, 4, device=DEVICE)
+    variants = [dataclasses.replace(v, keys=128) if v.kernel == "dk" else v for v in backward_variants(problem, needs)]
+    assert any(v.keys == 128 for v in variants)
+    grads = backward_with(variants, problem, *inputs, lse1, lse2, expect, grad_rows, get_schedule(problem, 64, 64),
+                          needs)
+    leaves = [t.double().requires_grad_() for t in inputs]
+    ref, _, _ = reference_kl(*leaves, causal=True, window=(150, -1))
+    expected = torch.autograd.grad((ref * grad_rows.double()).sum(), leaves)
+    for need, g, e in zip(needs, grads, expected):
+        assert (g is None) == (not need)
+        if need:
+            assert rel_l2(g.float(), e.float()) <= 2e-2

@@ -7,10 +7,15 @@
 // tiles and statistics in registers, so rows never meet in shared memory. Every key fragment a
 // warp loads serves its M_TILES row blocks (M_TILES = 2 halves the shared-memory reads per
 // product). q1 and q2 stay in shared memory for the whole block and are read as A fragments
-// (ldmatrix) at every key tile; the key tiles of both sides stream through a STAGES-deep cp.async
-// ring, the next tiles landing while the current one is multiplied. Scores
-// are moved to log2 units once (scale * log2 e folded into one multiply) so every exponential is
-// an exp2; the statistics convert back to natural logs when the row is written.
+// (ldmatrix) at every key tile, or once into registers (Q_REGS); the key tiles of both sides
+// stream through a STAGES-deep cp.async ring, the next tiles landing while the current one is
+// multiplied. PIPELINE keeps two score tiles per warp: the products of the next key tile are
+// issued beside the exponentials of this one, so a warp feeds the tensor cores and the MUFU unit
+// at once. The tile shape is launch.forward_shape's choice (launch.FORWARD_CANDIDATES).
+//
+// Scores stay raw products; scale * log2 e enters through the exponentials' FMAs
+// (exp2(s * c - m)), and the statistics convert back to natural logs when the row is written. A
+// negative scale is applied as |scale| on a negated q (exact), so raw row maxima are scaled maxima.
 //
 // Shared memory rows hold DP + 8 elements (DP: the head dim rounded up to 16, padded with zeros),
 // an odd number of 16-byte chunks, so the 8 rows of an ldmatrix hit distinct banks.

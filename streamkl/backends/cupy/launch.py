@@ -174,7 +174,8 @@ def forward_variant(problem: Problem) -> MmaForward | None:
 class MmaBackward:
     """Template arguments of kl_backward_dq_mma / kl_backward_dk_mma (backward_mma.cuh): which
     kernel, head dims rounded up to 16, cp.async stages, the sides whose gradients it computes and,
-    for dk, whether it also adds those sides' dq by atomics."""
+    for dk, whether it also adds those sides' dq by atomics and how many keys a block owns (16 per
+    warp)."""
 
     kernel: str  # "dq" (query-major) or "dk" (key-major)
     dim1: int
@@ -183,25 +184,30 @@ class MmaBackward:
     side1: int
     side2: int
     atomic_dq: int = 0
+    keys: int = 64  # dk: keys per block (64 or 128)
 
-    threads = 128
-    tile = 64  # queries and keys of the schedule's tiles
+    tile = 64  # query tiles of both kernels, key tiles of the dq kernel
     sub = 32  # the other side's rows per score step (SK_MMA_BWD_SUB)
+
+    @property
+    def threads(self) -> int:
+        return 2 * self.keys if self.kernel == "dk" else 128
 
     @property
     def name(self) -> str:
         args = [self.dim1, self.dim2, self.stages, self.side1, self.side2]
         if self.kernel == "dk":
-            args.append(self.atomic_dq)
+            args += [self.atomic_dq, self.keys]
         return f"kl_backward_{self.kernel}_mma<{', '.join(map(str, args))}>"
 
     @property
     def shared_bytes(self) -> int:
-        tile_bytes = self.tile * 2 * (self.dim1 + 8 + self.dim2 + 8)  # both sides' rows, padded
+        row_bytes = 2 * (self.dim1 + 8 + self.dim2 + 8)  # both sides' rows, padded
+        tile_bytes = self.tile * row_bytes
         if self.kernel == "dq":  # q1, q2, then a ring of k1, k2 tiles
             return tile_bytes * (1 + self.stages)
-        ds_buffer = self.atomic_dq * self.tile * 2 * (self.sub + 8)
-        return tile_bytes + self.stages * (tile_bytes + 4 * 4 * self.tile) + ds_buffer  # k; ring of q, stats
+        ds_buffer = self.atomic_dq * self.keys * 2 * (self.sub + 8)
+        return self.keys * row_bytes + self.stages * (tile_bytes + 4 * 4 * self.tile) + ds_buffer  # k; q ring
 
     @property
     def emulator_index(self) -> int:
@@ -215,6 +221,14 @@ def backward_shape(problem: Problem) -> tuple[int, int, int]:
     so that 256 + 256 fits an A100) past that."""
     dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
     return dim1, dim2, 2 if dim1 + dim2 <= 256 else 1
+
+
+def backward_keys(dim1: int, dim2: int) -> int:
+    """Keys per block of the key-major backward (64 or 128, 16 per warp) for head dims `dim1`,
+    `dim2` (rounded up to 16). 128 keys halve the atomics per dq element and the query tiles'
+    loads per key, in one 8-warp block per SM; `benchmarks/cupy_backward_h200.py --dk-keys` times
+    both."""
+    return 64
 
 
 def backward_variants(problem: Problem, needs) -> list[MmaBackward] | None:
@@ -242,7 +256,8 @@ def backward_variants(problem: Problem, needs) -> list[MmaBackward] | None:
         ("dk", fused, 1, dim1 + dim2 <= 128 and same_groups),
     ):
         groups = [sides] if len(sides) == 2 and pair else [[side] for side in sides]
-        launches += [MmaBackward(kernel, dim1, dim2, stages, int(1 in group), int(2 in group), atomic)
+        keys = backward_keys(dim1, dim2) if kernel == "dk" and stages == 2 else 64
+        launches += [MmaBackward(kernel, dim1, dim2, stages, int(1 in group), int(2 in group), atomic, keys)
                      for group in groups]
     return launches
 
@@ -344,7 +359,13 @@ def _launch(kernel: str | MmaForward | MmaBackward, tiles: int, pairs: int, para
     if emulate.emulating():
         # one emulator library per (dtype, head dims) serves all of a problem's launches
         forward = forward_variant(problem)
-        backward = None if problem.dtype == torch.float32 else backward_shape(problem)
+        backward = None
+        if problem.dtype != torch.float32:  # (D1P, D2P, stages, dk keys)
+            dim1, dim2, stages = backward_shape(problem)
+            dk_keys = backward_keys(dim1, dim2) if stages == 2 else 64
+            if isinstance(kernel, MmaBackward) and kernel.kernel == "dk":
+                dk_keys = kernel.keys
+            backward = (dim1, dim2, stages, dk_keys)
         if isinstance(kernel, MmaForward):
             if kernel != forward:  # a variant the backward never pairs with: no backward kernels to build
                 backward = None
@@ -526,14 +547,24 @@ def forward_with(variant: MmaForward | None, problem: Problem, q1, k1, q2, k2, s
 
 # ---------------------------------------------------------------------------------- backward
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule: TileSchedule, needs):
-    """(dq1, dk1, dq2, dk2) in the input dtype, None where not needed.
+    """(dq1, dk1, dq2, dk2) in the input dtype, None where not needed (`backward_with` on
+    `backward_variants(problem, needs)`)."""
+    return backward_with(backward_variants(problem, needs), problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
+                         schedule, needs)
 
-    Query-major kernels write dq, key-major kernels (over the transposed schedule) dk, each owning
-    its outputs: gradients are bitwise reproducible in every mode (no atomics). Both score sides
-    are always recomputed (dS1 needs s2, dS2 needs p); a side whose gradients are not needed costs
-    no gradient product. float16 / bfloat16 run on tensor cores (backward_mma.cuh, 64 x 64 tiles),
-    float32 on the FMA kernels (64 x 32 tiles)."""
-    variants = backward_variants(problem, needs)
+
+def backward_with(variants: list[MmaBackward] | None, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect,
+                  grad_rows, schedule: TileSchedule, needs):
+    """`kl_backward` on named launches: tensor-core `variants` (half inputs), or None for the
+    float32 FMA kernels. Benchmarks and tests compare variants through it.
+
+    Query-major kernels write dq, key-major kernels (over the transposed schedule) dk; unless
+    `deterministic`, a key-major kernel also adds dq by atomics (no query-major pass). Both score
+    sides are always recomputed (dS1 needs s2, dS2 needs p); a side whose gradients are not needed
+    costs no gradient product. float16 / bfloat16 run on tensor cores (backward_mma.cuh, 64-query
+    tiles), float32 on the FMA kernels (64 x 32 tiles, no atomics)."""
+    if variants is not None and problem.dtype == torch.float32:
+        raise ValueError("streamkl cupy backend: the tensor-core backward takes float16 / bfloat16 inputs")
     tiles = (BLOCK_Q, BLOCK_K) if variants is None else (MmaBackward.tile, MmaBackward.tile)
     if (schedule.block_q, schedule.block_k) != tiles:  # the forward's tiles differ
         schedule = get_schedule(problem, *tiles)
@@ -613,6 +644,8 @@ def _backward_mma(problem: Problem, record: np.ndarray, schedule: TileSchedule, 
             query = _query_launch(problem, record, schedule, variant.side1, variant.side2)
             _launch(variant, math.ceil(problem.seqlen_q / tile), int(query["batch_heads"][0]), query, problem,
                     together)
-        else:
-            key = _key_launch(problem, record, schedule, variant.side1, variant.side2)
-            _launch(variant, math.ceil(problem.seqlen_k / tile), int(key["batch_heads"][0]), key, problem, together)
+        else:  # the transposed schedule of 64-query x `keys`-key tiles
+            keys = schedule if variant.keys == tile else get_schedule(problem, tile, variant.keys)
+            key = _key_launch(problem, record, keys, variant.side1, variant.side2)
+            _launch(variant, math.ceil(problem.seqlen_k / variant.keys), int(key["batch_heads"][0]), key, problem,
+                    together)
