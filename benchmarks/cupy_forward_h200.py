@@ -31,12 +31,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import streamkl  # noqa: E402
-from streamkl.backends.cupy import launch  # noqa: E402
+from streamkl.backends.cupy import emulate, launch  # noqa: E402
 from streamkl.problem import build_problem  # noqa: E402
 from streamkl.sparse.schedule import get_schedule  # noqa: E402
 
-DEVICE = "cuda"
-N, HEADS = 16384, 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run on the emulator
 
 
 def inputs(shape_q, shape_k, heads, heads_k, dims, dtype):
@@ -46,6 +45,10 @@ def inputs(shape_q, shape_k, heads, heads_k, dims, dtype):
 
 
 def median_ms(fn, repeats: int = 20) -> float:
+    if DEVICE == "cpu":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
     fn()
     torch.cuda.synchronize()
@@ -73,6 +76,8 @@ def timed(fn, repeats: int = 20) -> float:
 def compile_all(variants) -> dict:
     """Compile every variant (one NVRTC module each, as the backend does) on a thread pool:
     {variant: function or the error text}."""
+    if emulate.emulating():
+        return dict.fromkeys(variants)
     code = launch.INPUT_CODES[torch.bfloat16]
     device = torch.cuda.current_device()
 
@@ -92,7 +97,7 @@ def rel_l2(a: torch.Tensor, e: torch.Tensor) -> float:
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
 
 
-def candidates(names, dims, repeats: int) -> list[dict]:
+def candidates(names, dims, repeats: int, n: int, heads: int) -> list[dict]:
     """One row per (config, dim, causal): the forward's median ms, next to FA2's."""
     variants = {(name, dim): launch.MmaForward.of(dim, dim, launch.FORWARD_CANDIDATES[name])
                 for name in names for dim in dims}
@@ -101,7 +106,7 @@ def candidates(names, dims, repeats: int) -> list[dict]:
     print(f"compiled {len(functions)} variants in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     rows = []
     for dim in dims:
-        x = inputs((1, N), (1, N), HEADS, (HEADS, HEADS), (dim, dim), torch.bfloat16)
+        x = inputs((1, n), (1, n), heads, (heads, heads), (dim, dim), torch.bfloat16)
         q, k, v = (t.transpose(1, 2) for t in x[:3])
         for causal in (False, True):
             case = dict(dim=dim, causal=causal)
@@ -196,18 +201,22 @@ def main():
                         choices=list(launch.FORWARD_CANDIDATES), help="candidate tile shapes (default: all)")
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 64], help="head dims (both sides)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--n", type=int, default=16384, help="sequence length (queries and keys)")
+    parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--first-call", action="store_true", help="only the first-call time of a new shape")
+    parser.add_argument("--no-first-call", action="store_true", help="skip the first-call time")
     parser.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_call_child:
         return first_call_child()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, file=sys.stderr)
-    compile_row = first_call()
+    print(torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch", torch.__version__, file=sys.stderr)
+    compile_row = {} if args.no_first_call else first_call()
     print(f"first call of a new shape (fresh CuPy cache): {compile_row}", flush=True)
     if args.first_call:
         return
-    rows = candidates(args.config, args.dims, args.repeats)
-    print(f"\nforward ms (x FA2), bf16, B=1, H={HEADS}, N={N}; regs/spill: registers and local bytes per thread")
+    rows = candidates(args.config, args.dims, args.repeats, args.n, args.heads)
+    print(f"\nforward ms (x FA2), bf16, B=1, H={args.heads}, N={args.n}; regs/spill: registers and local bytes "
+          "per thread")
     print(table(rows, args.dims))
     for r in [compile_row, *rows]:
         print(json.dumps(r))
