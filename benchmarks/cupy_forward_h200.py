@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -73,22 +74,38 @@ def timed(fn, repeats: int = 20) -> float:
         return float("nan")
 
 
+def _warm(variant) -> str:
+    """Compile one variant in a worker process (CuPy's disk cache keeps it): '' or the error."""
+    try:
+        launch._mma_functions(launch.INPUT_CODES[torch.bfloat16], (variant,), 0)
+        return ""
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
 def compile_all(variants) -> dict:
-    """Compile every variant (one NVRTC module each, as the backend does) on a thread pool:
-    {variant: function or the error text}."""
+    """Compile every variant (one NVRTC module each, as the backend does): first in parallel
+    worker processes, which fill CuPy's disk cache, then here from that cache. {variant:
+    function or the error text}."""
     if emulate.emulating():
         return dict.fromkeys(variants)
+    spawn = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(max_workers=min(12, len(variants)), mp_context=spawn) as pool:
+            errors = [error for error in pool.map(_warm, variants) if error]
+        if errors:
+            print(f"compile errors: {errors}", file=sys.stderr)
+    except Exception as exc:  # the compiles below then run here, one after another
+        print(f"parallel compile failed: {type(exc).__name__}: {exc}"[:400], file=sys.stderr)
     code = launch.INPUT_CODES[torch.bfloat16]
     device = torch.cuda.current_device()
-
-    def build(variant):
+    functions = {}
+    for variant in variants:
         try:
-            return launch._mma_functions(code, (variant,), device)[variant.name]
+            functions[variant] = launch._mma_functions(code, (variant,), device)[variant.name]
         except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"[:300]
-
-    with ThreadPoolExecutor(max_workers=min(16, len(variants))) as pool:
-        return dict(zip(variants, pool.map(build, variants)))
+            functions[variant] = f"{type(exc).__name__}: {exc}"[:300]
+    return functions
 
 
 def rel_l2(a: torch.Tensor, e: torch.Tensor) -> float:
@@ -210,16 +227,15 @@ def main():
     if args.first_call_child:
         return first_call_child()
     print(torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch", torch.__version__, file=sys.stderr)
-    compile_row = {} if args.no_first_call else first_call()
-    print(f"first call of a new shape (fresh CuPy cache): {compile_row}", flush=True)
-    if args.first_call:
-        return
-    rows = candidates(args.config, args.dims, args.repeats, args.n, args.heads)
-    print(f"\nforward ms (x FA2), bf16, B=1, H={args.heads}, N={args.n}; regs/spill: registers and local bytes "
-          "per thread")
-    print(table(rows, args.dims))
-    for r in [compile_row, *rows]:
-        print(json.dumps(r))
+    if not args.first_call:
+        rows = candidates(args.config, args.dims, args.repeats, args.n, args.heads)
+        print(f"\nforward ms (x FA2), bf16, B=1, H={args.heads}, N={args.n}; regs/spill: registers and local bytes "
+              "per thread")
+        print(table(rows, args.dims), flush=True)
+        for r in rows:
+            print(json.dumps(r))
+    if not args.no_first_call:
+        print(f"first call of a new shape (fresh CuPy cache): {json.dumps(first_call())}", flush=True)
 
 
 if __name__ == "__main__":
