@@ -131,10 +131,17 @@ SK_DEVICE float sk_shfl_xor(float value, int mask) {
 
 #else
 // ------------------------------------------------------------------------------------ PTX
+// The shared-window address of a generic pointer into shared memory: the compiler intrinsic where
+// its header is in (nvcc and NVRTC include it implicitly), so that constant offsets fold into the
+// ldmatrix / cp.async address operands (a fifth fewer instructions per key tile than an asm block).
 SK_DEVICE unsigned sk_shared_address(const void* pointer) {
+#if defined(__SM_20_INTRINSICS_H__)
+    return (unsigned)__cvta_generic_to_shared(pointer);
+#else
     unsigned address;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
     return address;
+#endif
 }
 
 SK_DEVICE void sk_ldmatrix_x4(unsigned (&regs)[4], const void* row_address) {
