@@ -45,6 +45,11 @@ def inputs(shape_q, shape_k, heads, heads_k, dims, dtype):
     return [torch.randn(s, device=DEVICE).to(dtype) for s in shapes]
 
 
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def median_ms(fn, repeats: int = 20) -> float:
     if DEVICE == "cpu":
         start = time.perf_counter()
@@ -187,14 +192,14 @@ def first_call_child() -> None:
     """Forward, then backward, of a shape no other call uses (prints one JSON line)."""
     dims = (96, 80)
     x = [t.requires_grad_() for t in inputs((1, 300), (1, 300), 2, (2, 2), dims, torch.bfloat16)]
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     out = streamkl.kl(*x, backend="cupy", causal=True)
-    torch.cuda.synchronize()
+    sync()
     forward = time.perf_counter() - start
     start = time.perf_counter()
     out.backward()
-    torch.cuda.synchronize()
+    sync()
     backward = time.perf_counter() - start
     print(json.dumps(dict(first_call=f"D{dims[0]}x{dims[1]} bf16", forward_s=round(forward, 2),
                           backward_s=round(backward, 2))))
