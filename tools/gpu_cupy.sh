@@ -8,14 +8,14 @@
 #  4. while time is left, the rest of the CuPy GPU tests (the default path, forward and backward).
 # Run from the repository root; results go under $OUT (default ./gpu_cupy_out).
 source "$(dirname "$0")/gpu_steps.sh" cupy
-TAIL_LINES=8 run candidate_tests 70 python -m pytest -q -n 12 -p no:benchmark tests/test_cupy_gpu.py \
+TAIL_LINES=8 run candidate_tests 85 python -m pytest -q -n 12 -p no:benchmark tests/test_cupy_gpu.py \
     -k "candidate_on_gpu or 128_key" -rfE --tb=line
-TAIL_LINES=2 run forward_table 100 python benchmarks/cupy_forward_h200.py
-if [ "$SECONDS" -lt 160 ]; then
-    TAIL_LINES=2 run dk_keys_table 45 python benchmarks/cupy_backward_h200.py --dk-keys 64 128
+TAIL_LINES=2 run forward_table 95 python benchmarks/cupy_forward_h200.py
+if [ "$SECONDS" -lt 150 ]; then
+    TAIL_LINES=2 run dk_keys_table 40 python benchmarks/cupy_backward_h200.py --dk-keys 64 128
 fi
-if [ "$SECONDS" -lt 170 ]; then
-    TAIL_LINES=8 run cupy_gpu_tests $((240 - SECONDS)) python -m pytest -q -n 12 -p no:benchmark \
+if [ "$SECONDS" -lt 150 ]; then
+    TAIL_LINES=8 run cupy_gpu_tests $((210 - SECONDS)) python -m pytest -q -n 12 -p no:benchmark \
         tests/test_cupy_gpu.py -k "not candidate and not 128_key" -rfE --tb=line
 fi
 for log in forward_table dk_keys_table; do
