@@ -29,6 +29,7 @@ from streamkl.backends.cupy.launch import (
     MmaForward,
     backward_variants,
     backward_with,
+    forward_shape,
     forward_tiles,
     forward_variant,
     forward_with,
@@ -185,10 +186,9 @@ def test_tensor_core_backward_fits_shared_memory():
 
 
 def test_tensor_core_forward_fits_shared_memory():
-    widest = MmaForward(256, 256, 32, 1)
-    assert widest.shared_bytes <= 163 * 1024  # A100's opt-in limit; Hopper allows 227 KiB
-    for dim1 in range(16, 256, 16):  # every two-block-per-warp variant: two blocks per SM on Hopper
-        assert 2 * MmaForward(dim1, 256 - dim1, 32, 2).shared_bytes <= 227 * 1024
+    for dim1 in range(16, 257, 16):  # the chosen shape at every head-dim pair: A100's opt-in limit
+        for dim2 in range(16, 257, 16):
+            assert MmaForward.of(dim1, dim2, forward_shape(dim1, dim2)).shared_bytes <= 163 * 1024
 
 
 def test_params_record_follows_the_struct():
