@@ -102,7 +102,6 @@ FORWARD_CANDIDATES = {
     "k64-m1-w8-qr": ForwardTiles(64, 1, 8, q_regs=1),  # the same, q fragments held in registers
     "k32-m2-w8": ForwardTiles(32, 2, 8),  # 256 rows, 8 warps of 32 rows
     "k32-m2-w4-qr": ForwardTiles(32, 2, 4, q_regs=1),  # q in registers: 64 + 64 only (registers)
-    "k64-m2-w4-qr": ForwardTiles(64, 2, 4, q_regs=1),  # the same with 64-key tiles
     "k32-m2-w4-pl": ForwardTiles(32, 2, 4, pipeline=1),  # two score tiles in flight per warp
     "k64-m1-w8-pl": ForwardTiles(64, 1, 8, pipeline=1),
     "k32-m1-w8-pl": ForwardTiles(32, 1, 8, pipeline=1),
