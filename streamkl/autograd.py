@@ -204,7 +204,7 @@ def _reduce(kl_rows: torch.Tensor, reduction: str, count) -> torch.Tensor:
     if reduction == "none":
         return kl_rows
     total = kl_rows.sum()
-    return total / count if reduction == "mean" else total
+    return total.div_(count) if reduction == "mean" else total  # (in place: a fresh scalar)
 
 
 class _NoSecondDerivative(torch.autograd.Function):

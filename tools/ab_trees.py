@@ -9,7 +9,9 @@ lands on all. Per case a worker measures
   of CUDA-event times: the kernels' time as in a training loop (the suite's headline column);
 - `host_us`: the wall time of one Python call started on an idle GPU (synchronized before the
   timer starts), median: for the no-grad forward, the training forward (the student's inputs
-  require grad) and the backward, at N = 1K and 4K.
+  require grad) and the backward, at N = 1K and 4K;
+- `step_us`: a training step (forward and backward of the student) repeated back to back, time
+  per step: where the host is slower than the kernels (small N), this is the host's time.
 
 The report is a markdown table of the medians over rounds and the ratios to A, plus the raw JSON lines.
 
@@ -96,6 +98,25 @@ def _host_us(torch, call, repeats, before=None):
     return statistics.median(spans[3:])
 
 
+def _step_us(torch, streamkl, n, d, steps):
+    """Microseconds per student training step, `steps` steps enqueued back to back."""
+    q1, k1 = _inputs(torch, (1, n, HEADS, d), ())[:2]
+    q2, k2 = _inputs(torch, (1, n, HEADS, d), (0, 1))[:2]
+
+    def step():
+        streamkl.kl(q1, k1, q2, k2, causal=True, backend="triton").backward()
+        q2.grad = k2.grad = None
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
 def worker(tree: str, cases: list[str], repeats: int, host_repeats: int) -> None:
     import torch
 
@@ -146,6 +167,8 @@ def worker(tree: str, cases: list[str], repeats: int, host_repeats: int) -> None
                 value = _host_us(torch, forward, host_repeats)
             case = f"host {mode}, N={n} D={d} causal"
             print(json.dumps(dict(case=case, metric="host_us", value=value)), flush=True)
+        print(json.dumps(dict(case=f"training step, N={n} D={d} causal", metric="step_us",
+                              value=_step_us(torch, streamkl, n, d, host_repeats))), flush=True)
 
 
 # ----------------------------------------------------------------------------- the driver
