@@ -92,8 +92,9 @@ def _backward_kernel(
             p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
             sel_end = tl.where(m_i, topk, 0)
             cursor = _lower_bound(p_sel, sel_end, k_tile * BLOCK_N, STEPS_K)
-            bits_lo, bits_hi, _, _ = _tile_selection(p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
-            m_ij = m_ij & _selection_mask(bits_lo, bits_hi, o_j, k_tile * BLOCK_N)
+            word0, word1, word2, word3, _, _ = _tile_selection(p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N,
+                                                               CHUNK)
+            m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
         b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                              heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
         b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,

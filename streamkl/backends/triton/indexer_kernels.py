@@ -102,15 +102,18 @@ def _key_at(p_sel, cursor, end):
 @triton.jit
 def _tile_selection(p_sel, cursor, end, first, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """Each row's selected keys in [first, first + BLOCK_N) (BLOCK_N <= 128), read from its sorted
-    selection p_sel[r][cursor[r] : end[r]] whose keys are all >= first: (bits of keys first + [0, 64),
-    bits of keys first + [64, 128), the cursor past them, the row's next key or BIG_INDEX).
+    selection p_sel[r][cursor[r] : end[r]] whose keys are all >= first: (four [BM] int32 words of
+    bits, key first + 32 w + b as bit b of word w; the cursor past them; the row's next key or
+    BIG_INDEX). 32-bit words: 64-bit ones double the registers of the expanded [BM, BN] mask.
 
     The slots are read CHUNK at a time for all rows at once (one load of [BM, CHUNK] contiguous
     runs), again only while some row's chunk lay wholly inside the tile: one load per tile for
     most tiles, whatever the number of keys a row has in it."""
     o_c = tl.arange(0, CHUNK)
-    bits_lo = (cursor * 0).to(tl.int64)
-    bits_hi = (cursor * 0).to(tl.int64)
+    word0 = cursor * 0
+    word1 = cursor * 0
+    word2 = cursor * 0
+    word3 = cursor * 0
     next_key = cursor * 0
     more = tl.max(cursor, axis=0) >= 0  # a true scalar
     while more:
@@ -118,22 +121,29 @@ def _tile_selection(p_sel, cursor, end, first, BLOCK_N: tl.constexpr, CHUNK: tl.
         keys = tl.load(p_sel[:, None] + slot, mask=slot < end[:, None], other=BIG_INDEX)
         rel = keys - first
         inside = rel < BLOCK_N  # a prefix of the chunk: the selection is sorted
-        bit = tl.where(inside, 1, 0).to(tl.int64) << (rel & 63).to(tl.int64)
-        bits_lo |= tl.reduce(tl.where(rel < 64, bit, 0), 1, _or)
-        bits_hi |= tl.reduce(tl.where(rel < 64, 0, bit), 1, _or)
+        bit = tl.where(inside, 1, 0) << (rel & 31)
+        word = rel >> 5
+        word0 |= tl.reduce(tl.where(word == 0, bit, 0), 1, _or)
+        word1 |= tl.reduce(tl.where(word == 1, bit, 0), 1, _or)
+        word2 |= tl.reduce(tl.where(word == 2, bit, 0), 1, _or)
+        word3 |= tl.reduce(tl.where(word == 3, bit, 0), 1, _or)
         taken = tl.sum(inside.to(tl.int32), axis=1)
         cursor += taken
         next_key = tl.min(tl.where(inside, BIG_INDEX, keys), axis=1)
         more = tl.max(taken, axis=0) == CHUNK
-    return bits_lo, bits_hi, cursor, next_key
+    return word0, word1, word2, word3, cursor, next_key
 
 
 @triton.jit
-def _selection_mask(bits_lo, bits_hi, o_j, first):
-    """[BM, BN] bool from `_tile_selection`'s bits: key o_j[c] (in [first, first + 128)) is selected by row r."""
+def _selection_mask(word0, word1, word2, word3, o_j, first):
+    """[BM, BN] bool from `_tile_selection`'s four words: key o_j[c] (in [first, first + 128)) is
+    selected by row r."""
     rel = o_j - first  # [BN]
-    word = tl.where(rel[None, :] < 64, bits_lo[:, None], bits_hi[:, None])  # [BM, BN]
-    return ((word >> (rel & 63).to(tl.int64)[None, :]) & 1) != 0
+    index = (rel >> 5)[None, :]
+    b_word = tl.where(index == 0, word0[:, None], word1[:, None])
+    b_word = tl.where(index == 2, word2[:, None], b_word)
+    b_word = tl.where(index == 3, word3[:, None], b_word)  # [BM, BN]
+    return ((b_word >> (rel & 31)[None, :]) & 1) != 0
 
 
 @triton.jit
@@ -221,13 +231,13 @@ def _head_lse_kernel(
                 active = k_tile == next_tile
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
                 m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL)
                 if TOPK:
-                    bits_lo, bits_hi, cursor, next_key = _tile_selection(p_sel, cursor, sel_end, k_tile * BLOCK_N,
-                                                                         BLOCK_N, CHUNK)
+                    word0, word1, word2, word3, cursor, next_key = _tile_selection(
+                        p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
                     next_tile = tl.min(next_key, axis=0) // BLOCK_N
-                    m_ij = m_ij & _selection_mask(bits_lo, bits_hi, o_j, k_tile * BLOCK_N)
-                b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
+                    m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
                 b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
                 b_new = tl.maximum(b_m, tl.max(b_s, axis=1), propagate_nan=tl.PropagateNan.ALL)
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
@@ -290,10 +300,10 @@ def _forward_kernel(
                 k_row = k_start + k_tile * BLOCK_N
                 m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL)
                 if TOPK:
-                    bits_lo, bits_hi, cursor, next_key = _tile_selection(p_sel, cursor, sel_end, k_tile * BLOCK_N,
-                                                                         BLOCK_N, CHUNK)
+                    word0, word1, word2, word3, cursor, next_key = _tile_selection(
+                        p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
                     next_tile = tl.min(next_key, axis=0) // BLOCK_N
-                    m_ij = m_ij & _selection_mask(bits_lo, bits_hi, o_j, k_tile * BLOCK_N)
+                    m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
                 b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                                      heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
                 b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
