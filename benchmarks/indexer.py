@@ -20,7 +20,12 @@ backward is derived as median(fwd+bwd) - median(forward). Timing: CUDA events, L
 each call, one warm-up call, then as many as fit in --rep-ms (at least 3), median. Memory: the
 peak allocated during one fwd+bwd call minus what was allocated just before it (inputs excluded,
 their gradients included). After an OOM a provider skips its larger N.
-Writes indexer.json, indexer.md and indexer.png (time and memory vs N) to --out.
+Writes indexer.json, indexer.md and indexer.png (time and memory vs N) to --out; with --append the
+cells already there are kept (the same provider, N and D measured again replace theirs), so that
+runs of different shapes make one report:
+
+    python benchmarks/indexer.py --out DIR --sizes 8192,32768 --dims 128
+    python benchmarks/indexer.py --out DIR --sizes 131072 --dims 128 --providers streamkl-triton-dense --append
 """
 
 from __future__ import annotations
@@ -217,11 +222,11 @@ def _cell(row, key, scale=1.0, spec=".2f"):
     return "" if value is None else format(value / scale, spec)
 
 
-def markdown(rows, env, args) -> str:
+def markdown(rows, env, args, commands) -> str:
     lines = [
         "# DSA indexer loss: streamkl.indexer_kl against the materializing implementation",
         "",
-        f"`{' '.join(['python', 'benchmarks/indexer.py', *args.argv])}`, {env['date']}, "
+        ", ".join(f"`{command}`" for command in commands) + f"; {env['date']}, "
         f"{env.get('gpu', env['device'])}, torch {env['torch']}, triton {env.get('triton', '-')}.",
         f"B=1, causal, teacher H={args.heads} (key heads too), indexer {args.index_heads} x {args.index_dim}, "
         f"top-k {args.topk}, {args.dtype}. Backward = fwd+bwd - forward. Memory: peak extra MiB of one fwd+bwd "
@@ -289,6 +294,8 @@ def parse_args(argv=None):
     parser.add_argument("--backend", default="triton", help="streamkl backend of the streamkl providers")
     parser.add_argument("--providers", default=None, help="comma-separated subset (default: all)")
     parser.add_argument("--rep-ms", type=float, default=500.0, help="time budget per measurement")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the results already in --out (cells measured again are replaced)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.smoke:  # tiny values for the size options left at their GPU defaults
@@ -317,7 +324,20 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     timer = Timer(device)
     env = environment(device)
+    commands, kept = [" ".join(["python", "benchmarks/indexer.py", *args.argv])], []
+    if args.append and (out / "indexer.json").exists():
+        earlier = json.loads((out / "indexer.json").read_text())
+        commands, kept = earlier.get("commands", []) + commands, earlier["results"]
     rows = []
+
+    def save():  # after every cell: a run cut short by a time limit still leaves its results
+        measured = {(r["provider"], r["N"], r["D"]) for r in rows}
+        table = [r for r in kept if (r["provider"], r["N"], r["D"]) not in measured] + rows
+        (out / "indexer.json").write_text(json.dumps({"environment": env, "commands": commands,
+                                                     "settings": vars(args), "results": table}, indent=2) + "\n")
+        (out / "indexer.md").write_text(markdown(table, env, args, commands))
+        return table
+
     for dim in (int(d) for d in args.dims.split(",")):
         for provider in providers:
             failed_at = None
@@ -328,11 +348,10 @@ def main(argv=None) -> int:
                 row = run_case(provider, n, dim, args, timer, device, dtype)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                save()
                 if row.get("note") == "OOM":
                     failed_at = n
-    (out / "indexer.json").write_text(json.dumps({"environment": env, "settings": vars(args), "results": rows},
-                                                 indent=2) + "\n")
-    (out / "indexer.md").write_text(markdown(rows, env, args))
+    rows = save()
     plotted = plot(rows, out / "indexer.png")
     print(f"wrote {out / 'indexer.json'}, {out / 'indexer.md'}" + (f", {out / 'indexer.png'}" if plotted else ""))
     return 0

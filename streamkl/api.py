@@ -7,7 +7,6 @@ import torch
 from streamkl.autograd import kl_forward
 from streamkl.dispatch import choose_backend
 from streamkl.problem import build_problem, check_output_options
-from streamkl.reduction import reduce_rows
 from streamkl.sparse.block_mask import BlockMask
 
 
@@ -82,8 +81,7 @@ def kl(
         deterministic=deterministic, check_values=cu_seqlens is not None and _may_read_values(),
     )
     impl = choose_backend(problem, backend)
-    kl_rows, lse1, lse2, _ = kl_forward(problem, impl, q1, k1, q2, k2)
-    out = reduce_rows(kl_rows, reduction, problem)
+    out, lse1, lse2 = kl_forward(problem, impl, q1, k1, q2, k2, reduction)
     if return_lse:
         return out, lse1.detach(), lse2.detach()
     return out

@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 
 from streamkl._cache import LRUCache
+from streamkl._compat import dispatch_modes_active
 from streamkl.backends.base import Backend, empty_rows_to_zero
 from streamkl.dispatch import PRIORITY, get_backend
 from streamkl.problem import Problem, SideMask, describe_problem, known_host_values
+from streamkl.reduction import mean_count
 from streamkl.sparse.schedule import get_schedule
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -140,47 +142,69 @@ def _backward_fake(grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, ma
 
 
 class _KL(torch.autograd.Function):
-    """The autograd of `streamkl::kl_forward`: its backward is `streamkl::kl_backward`.
+    """The autograd of `streamkl.kl`: the forward (the reduction included) and its backward.
 
     An `autograd.Function` around the ops (FlashAttention's arrangement) rather than
-    `torch.library.register_autograd`, whose wrapper walks the op's schema on every call (about
-    half the front end's host time on a small problem); eager and torch.compile take it alike.
-    There is no second derivative: under create_graph=True the gradients carry `_NoSecondDerivative`,
-    so a double backward raises rather than dropping terms."""
+    `torch.library.register_autograd`, whose wrapper walks the op's schema on every call; eager and
+    torch.compile take it alike. `call` is the front end's (Problem, Backend) when nobody traces the
+    call (`_direct`): the ops' implementations then run without the dispatcher's round trip and
+    a second description of the problem. Under torch.compile, a dispatch mode or tensor subclasses
+    it is None and the ops run with their packed arguments. The reduction happens here, so the
+    graph holds one node, and the backward reads a reduced loss's gradient as one value expanded
+    over the rows. There is no second derivative: under create_graph=True the gradients carry
+    `_NoSecondDerivative`, so a double backward raises rather than dropping terms."""
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats):
-        kl_rows, lse1, lse2, expect = torch.ops.streamkl.kl_forward(
-            q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
+    def forward(ctx, q1, k1, q2, k2, reduction, count, call, cu_q, cu_k, mask1, mask2, ints, floats):
+        if call is not None:
+            kl_rows, lse1, lse2, expect = run_forward(*call, q1, k1, q2, k2)
+        else:
+            kl_rows, lse1, lse2, expect = torch.ops.streamkl.kl_forward(
+                q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
         # E enters only side 1's gradients (dS1 = g p (d - E)): for a detached teacher lse1 stands in
         # for it (same shape, never read for side 2), so the forward keeps 8 bytes a (row, head), not 12
         needs = ctx.needs_input_grad
         saved_expect = lse1 if not needs[0] and not needs[1] else expect
         ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, saved_expect, cu_q, cu_k, mask1, mask2)
-        ctx.ints, ctx.floats = ints, floats
-        ctx.mark_non_differentiable(lse1, lse2, expect)
+        ctx.call, ctx.ints, ctx.floats = call, ints, floats
+        ctx.reduction, ctx.count, ctx.row_shape = reduction, count, kl_rows.shape
+        ctx.mark_non_differentiable(lse1, lse2)
         ctx.set_materialize_grads(False)
-        return kl_rows, lse1, lse2, expect
+        return _reduce(kl_rows, reduction, count), lse1, lse2
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_lse1, grad_lse2, grad_expect):
+    def backward(ctx, grad_out, grad_lse1, grad_lse2):
         needs = [bool(n) for n in ctx.needs_input_grad[:4]]
-        if grad_rows is None or not any(needs):
-            return (None,) * 10
+        if grad_out is None or not any(needs):
+            return (None,) * 13
         q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2 = ctx.saved_tensors
-        if not torch.is_grad_enabled():  # the usual backward: the op, no autograd around it
-            grads = torch.ops.streamkl.kl_backward(
-                grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats, needs
-            )
-            return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 6
-        with torch.no_grad():  # create_graph=True
-            grads = torch.ops.streamkl.kl_backward(
-                grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats, needs
-            )
+        # a reduced loss: its gradient one value over the rows (stride 0), as DivBackward and
+        # SumBackward would have made it
+        if ctx.reduction == "mean":
+            grad_out = grad_out / ctx.count
+        grad_rows = grad_out if ctx.reduction == "none" else grad_out.expand(ctx.row_shape)
+        with torch.no_grad():  # the op has no derivative: a second one raises (below)
+            if ctx.call is not None:
+                grads = run_backward(*ctx.call, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
+            else:
+                grads = torch.ops.streamkl.kl_backward(
+                    grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats,
+                    needs)
+        if not torch.is_grad_enabled():  # the usual backward
+            return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 9
         anchor = next(t for t, need in zip((q1, k1, q2, k2), needs) if need)  # requires grad: records the node
         wanted = _NoSecondDerivative.apply(anchor, *(g for g, need in zip(grads, needs) if need))
         wanted = iter(wanted if isinstance(wanted, tuple) else (wanted,))
-        return tuple(next(wanted) if need else None for need in needs) + (None,) * 6
+        return tuple(next(wanted) if need else None for need in needs) + (None,) * 9
+
+
+def _reduce(kl_rows: torch.Tensor, reduction: str, count) -> torch.Tensor:
+    """The SPEC's reductions; `count` (an int or a device scalar) divides the mean. Sum then
+    divide, not Tensor.mean, so that `_KL.backward` sees the same gradient either way."""
+    if reduction == "none":
+        return kl_rows
+    total = kl_rows.sum()
+    return total.div_(count) if reduction == "mean" else total  # (in place: a fresh scalar)
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -201,14 +225,31 @@ torch.library.register_fake("streamkl::kl_forward", _forward_fake, lib=_LIBRARY)
 torch.library.register_fake("streamkl::kl_backward", _backward_fake, lib=_LIBRARY)
 
 
-def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2) -> tuple:
-    """(kl_rows, lse1, lse2, expect) of a validated problem, differentiable in q1, k1, q2, k2."""
+def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2, reduction: str) -> tuple:
+    """(the KL reduced per `reduction`, lse1, lse2) of a validated problem, differentiable in q1,
+    k1, q2, k2 (the lse are not)."""
     cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem, impl.name)
+    count = mean_count(problem) if reduction == "mean" else 1
+    tensors = (q1, k1, q2, k2)
     if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
+        call = (problem, impl) if _direct(tensors) else None
         if torch.compiler.is_compiling():  # dynamo refuses a tensor passed twice to an autograd Function
-            q1, k1, q2, k2 = _distinct((q1, k1, q2, k2))
-        return _KL.apply(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats)
-    return torch.ops.streamkl.kl_forward(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints, floats)
+            q1, k1, q2, k2 = _distinct(tensors)
+        return _KL.apply(q1, k1, q2, k2, reduction, count, call, cu_q, cu_k, pattern1, pattern2, ints, floats)
+    if _direct(tensors):
+        with torch.no_grad():
+            kl_rows, lse1, lse2, _ = run_forward(problem, impl, q1, k1, q2, k2)
+    else:
+        kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints,
+                                                              floats)
+    return _reduce(kl_rows, reduction, count), lse1, lse2
+
+
+def _direct(tensors: tuple) -> bool:
+    """Whether the ops' implementations may run without the dispatcher: plain tensors, nothing
+    tracing (torch.compile, a dispatch mode such as make_fx's or FlopCounterMode)."""
+    return (all(t.__class__ in _PLAIN for t in tensors) and not torch.compiler.is_compiling()
+            and not dispatch_modes_active())
 
 
 def _distinct(tensors: tuple) -> tuple:

@@ -7,6 +7,7 @@ skipped when the caller cannot read values (under torch.compile or a CUDA-graph 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -326,15 +327,6 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _OPTION_TYPES = (type(None), bool, int, float)
 
 
-def _state(t) -> tuple | None:
-    """(id, version) of a tensor, or of the tensors a BlockMask's pattern comes from."""
-    if t is None:
-        return None
-    if t.__class__ in _TENSOR_TYPES:
-        return id(t), t._version
-    return id(t), t._source_state()
-
-
 def _call_key(tensors, options: tuple, objects: tuple):
     """The memo key of a call (`build_problem`), or None where one is not taken: every input's
     metadata that validation reads (type, shape, strides, dtype, device, requires_grad), the
@@ -349,16 +341,33 @@ def _call_key(tensors, options: tuple, objects: tuple):
             parts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
         except RuntimeError:
             return None
-    window, rest = options[0], options[1:]
-    if window.__class__ is not tuple or len(window) != 2 or any(w.__class__ is not int for w in window):
+    window = options[0]
+    if window.__class__ is not tuple or len(window) != 2 or window[0].__class__ is not int \
+            or window[1].__class__ is not int:
         return None  # (a list, or not ints: validated each time)
-    if any(o.__class__ not in _OPTION_TYPES for o in rest):
-        return None
-    from streamkl.sparse.block_mask import BlockMask
+    rest = []
+    for o in options[1:]:
+        if o.__class__ not in _OPTION_TYPES:
+            return None
+        rest.append((o.__class__, o))
+    states = []
+    for o in objects:
+        if o is None:
+            states.append(None)
+        elif o.__class__ in _TENSOR_TYPES:
+            states.append((id(o), o._version))
+        elif o.__class__ is _block_mask_class():
+            states.append((id(o), o._source_state()))
+        else:
+            return None
+    return tuple(parts), window, tuple(rest), tuple(states)
 
-    if any(o is not None and o.__class__ not in _TENSOR_TYPES and o.__class__ is not BlockMask for o in objects):
-        return None
-    return tuple(parts), window, tuple((o.__class__, o) for o in rest), tuple(_state(o) for o in objects)
+
+@functools.cache
+def _block_mask_class() -> type:
+    from streamkl.sparse.block_mask import BlockMask  # (it imports this module)
+
+    return BlockMask
 
 
 def build_problem(

@@ -1,4 +1,4 @@
-"""The SPEC's reductions of the per-row KL, and the row count `mean` divides by.
+"""The row count the `mean` reduction divides by.
 
 Which (row, head) pairs have a non-empty side-1 support is structure: the sequence lengths,
 causality, the window and side 1's block pattern. It is counted from those, never from values (a
@@ -13,19 +13,6 @@ from streamkl._cache import LRUCache
 from streamkl.problem import Problem, fold_causal, structural_row_count
 
 _COUNTS = LRUCache(32)
-
-
-def reduce_rows(kl_rows: torch.Tensor, reduction: str, problem: Problem) -> torch.Tensor:
-    """`none`: the rows; `sum`: their sum; `mean`: the sum over the rows whose side-1 support is
-    non-empty (`mean_count`), 0 when there are none."""
-    if reduction == "none":
-        return kl_rows
-    if reduction == "sum":
-        return kl_rows.sum()
-    # sum then divide, not Tensor.mean: the backward's row gradient stays one value expanded over
-    # the rows (stride 0), which the kernels read as one number, rather than a materialized tensor
-    count = mean_count(problem)
-    return kl_rows.sum() / count
 
 
 def mean_count(problem: Problem) -> int | torch.Tensor:

@@ -164,6 +164,41 @@ def test_local_selection_skips_tiles():
         check(name, grad, ref, 1e-4)
 
 
+def banded_topk(N: int, device) -> torch.Tensor:
+    """[N, 48]: each row's first 16 keys and its last 32 (-1 where before key 0), with a repeat and
+    two keys past the row (causal: ignored); rows 3..9 and 128..191 select nothing. Key tiles
+    between the bands hold no selected key, and a row's last 32 keys fill whole chunks of slots."""
+    rows = torch.arange(N, device=device)[:, None]
+    top = torch.cat([torch.arange(16, device=device).expand(N, 16), rows - torch.arange(32, device=device)], 1)
+    top = torch.where(top > rows, -1, top)  # the first band of rows 0..14 reaches past them
+    top[:, 40] = top[:, 17]
+    top[::7, 45] = (rows[::7, 0] + 5).clamp(max=N - 1)
+    top[::5, 46] = (rows[::5, 0] + 1).clamp(max=N - 1)
+    top[3:10] = -1
+    top[128:192] = -1
+    return top.to(torch.int32)
+
+
+def test_banded_selection_with_empty_rows_and_tiles():
+    """Rows that select nothing, tiles no row selects, keys past the causal limit, repeats and rows
+    with more selected keys in a tile than one load reads: the walk over each row's selection
+    visits exactly the selected keys."""
+    N, H, causal = 200, 8, True  # 8 heads: the forward splits the keys, the second split starts mid-selection
+    q, k, qi, ki, w = inputs((1, N), (1, N), H, 2, 16, 2, 16, torch.float32)
+    top = banded_topk(N, DEVICE).view(1, N, -1)
+    problem = make_problem(q, k, qi, ki, top, causal)
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    grad_rows = torch.randn(1, N, device=DEVICE)
+    ref_loss, ref_head, ref_index, ref_grads = reference_with_grads(q, k, qi, ki, w, causal, top, grad_rows)
+    assert torch.isneginf(ref_index[0, 128:192]).all() and (ref_loss[0, 128:192] == 0).all()
+    check("loss", loss, ref_loss, 1e-4)
+    check("head_lse", head_lse, ref_head, 1e-4)
+    check("index_lse", index_lse, ref_index, 1e-4)
+    grads = triton_indexer.backward(problem, q, k, qi, ki, w, top, head_lse, index_lse, grad_rows)
+    for name, grad, ref in zip(("dqi", "dki", "dw"), grads, ref_grads):
+        check(name, grad, ref, 1e-4)
+
+
 def test_given_lse_is_used_as_is():
     """A passed-in teacher lse is returned unchanged and gives the computed lse's loss."""
     q, k, qi, ki, w = inputs((1, 45), (1, 45), 2, 2, 16, 2, 16, torch.float32)
@@ -268,7 +303,7 @@ BUDGETS = {"H100": 232448, "A100": 166912}  # shared memory a block may opt into
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_config_fits_shared_memory(budget, dtype):
     """Every supported shape gets tiles and a pipeline depth whose shared memory fits the device;
-    16-bit inputs at D <= 128 keep the largest tiles with two stages."""
+    16-bit inputs at D <= 128 keep the largest tiles with three stages."""
     for dim in (16, 64, 128, 192, 256):
         for index_dim in (16, 64, 128):
             for n in (40, 1 << 15):
@@ -281,8 +316,9 @@ def test_config_fits_shared_memory(budget, dtype):
                                                       cfg["num_stages"])
                     assert need <= BUDGETS[budget], (kernel, dim, index_dim, n, cfg, need)
                     if budget == "H100" and dtype != torch.float32 and dim <= 128 and n > 128:
-                        tiles = {"lse": (128, 128), "forward": (128, 64), "backward": (64, 128)}[kernel]
-                        assert cfg == dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=8, num_stages=2), (kernel, cfg)
+                        tiles = {"lse": (128, 128, 8), "forward": (128, 64, 8), "backward": (64, 64, 4)}[kernel]
+                        assert cfg == dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2], num_stages=3), (
+                            kernel, cfg)
 
 
 def _compile_in_subprocess(code: str, timeout: int) -> str:

@@ -350,6 +350,51 @@ def test_custom_ops_pass_opcheck():
     )
 
 
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stack_query", ["torch", "missing"])
+def test_dispatch_modes_see_the_ops(monkeypatch, stack_query):
+    """Under a dispatch mode (make_fx, FlopCounterMode, ...) the forward and the backward run as
+    streamkl's ops, so the mode sees them; plain eager calls run the same implementations
+    directly. Without torch's private stack query every call takes the ops. Results agree."""
+    from streamkl import _compat
+
+    if stack_query == "missing":
+        monkeypatch.setattr(_compat, "_stack_length", None)
+    inputs = make_inputs((1, 33), (1, 33), 2, (2, 1), (16, 8), torch.float32, "cpu", (False, False, True, True))
+    plain = streamkl.kl(*inputs, causal=True, backend="torch")
+    plain.backward()
+    expected = [t.grad.clone() for t in inputs[2:]]
+    for t in inputs:
+        t.grad = None
+    with _OpLog() as log:
+        loss = streamkl.kl(*inputs, causal=True, backend="torch")
+        loss.backward()
+    assert "streamkl.kl_forward.default" in log.ops and "streamkl.kl_backward.default" in log.ops
+    assert torch.equal(loss, plain)
+    assert all(torch.equal(t.grad, e) for t, e in zip(inputs[2:], expected))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_reduced_loss_is_one_graph_node(reduction):
+    """The reduction happens inside the autograd node: a reduced loss's graph is the KL node and
+    the inputs' accumulators, nothing per reduction op."""
+    inputs = make_inputs((1, 20), (1, 20), 2, (1, 1), (8, 8), torch.float32, "cpu", (False, False, True, True))
+    loss = streamkl.kl(*inputs, reduction=reduction, backend="torch")
+    assert type(loss.grad_fn).__name__ == "_KLBackward"
+    assert {type(f).__name__ for f, _ in loss.grad_fn.next_functions if f is not None} == {"AccumulateGrad"}
+
+
 def test_float32_stays_full_precision_under_tf32_setting(backend):
     """A global "allow TF32" setting must not lower float32 products (SPEC 2: no TF32)."""
     previous = torch.get_float32_matmul_precision()

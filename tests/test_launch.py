@@ -89,3 +89,22 @@ def test_alternating_alignment_and_lengths_on_the_gpu():
                 moved.append(view)
             out = streamkl.kl(*moved, causal=True, reduction="none", backend="triton")
             assert rel_l2(out, ref) < 1e-2, shift
+
+
+def test_checked_descriptor_is_the_descriptor_triton_expects():
+    """`flat_descriptor` skips the base class's re-validation; Triton specializes and reads it as
+    the TensorDescriptor it is (same signature, same fields)."""
+    gluon_common = pytest.importorskip("streamkl.backends.triton.gluon.common")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = torch.zeros(3, 64, 4, 128, dtype=torch.bfloat16)
+    fast = gluon_common.flat_descriptor(t, 64)
+    checked = TensorDescriptor(t, [192, 512], [512, 1], [64, 128], gluon_common.shared_layout(64, 128, t.dtype))
+    assert isinstance(fast, TensorDescriptor)
+    assert (fast.base, fast.shape, fast.strides, fast.block_shape, fast.layout, fast.padding) == (
+        checked.base, checked.shape, checked.strides, checked.block_shape, checked.layout, checked.padding)
+    assert native_specialize_impl(CUDABackend, fast, False, True, True) == native_specialize_impl(
+        CUDABackend, checked, False, True, True)
+    assert specialization((fast,)) == specialization((checked,))

@@ -1,5 +1,5 @@
-"""Every ```python block of README.md runs as written: on this machine's device, or, for a block whose
-first line says it needs a CUDA GPU, only where there is one."""
+"""Every ```python block of README.md and docs/performance.md runs as written: on this machine's device, or,
+for a block whose first line says it needs a CUDA GPU, only where there is one."""
 
 from __future__ import annotations
 
@@ -9,32 +9,34 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCUMENTS = (README, ROOT / "docs" / "performance.md")
 GPU_LINE = "# needs a CUDA GPU"
 
 
-def _blocks() -> list[tuple[str, str]]:
-    text = README.read_text()
+def _blocks(path: Path) -> list[tuple[str, str]]:
+    text = path.read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
     out = []
     for index, code in enumerate(blocks):
         line = text[: text.index(code)].count("\n") + 1
-        out.append((f"block{index}-line{line}", code))
+        out.append((f"{path.stem}-block{index}-line{line}", code))
     return out
 
 
-BLOCKS = _blocks()
+BLOCKS = [(path, name, code) for path in DOCUMENTS for name, code in _blocks(path)]
 
 
 def test_readme_has_code_blocks():
-    assert len(BLOCKS) >= 3
+    assert len(_blocks(README)) >= 3
 
 
-@pytest.mark.parametrize("code", [pytest.param(code, id=name) for name, code in BLOCKS])
-def test_readme_block_runs(code, monkeypatch, capsys):
+@pytest.mark.parametrize("path, code", [pytest.param(path, code, id=name) for path, name, code in BLOCKS])
+def test_readme_block_runs(path, code, monkeypatch, capsys):
     needs_gpu = code.lstrip().startswith(GPU_LINE)
     if needs_gpu and not torch.cuda.is_available():
         pytest.skip("the block says it needs a CUDA GPU")
     if not torch.cuda.is_available():
         monkeypatch.setenv("STREAMKL_BACKEND", "torch")  # what auto picks for CPU tensors, stated
-    exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})  # a fresh namespace per block
+    exec(compile(code, str(path), "exec"), {"__name__": "__readme__"})  # a fresh namespace per block

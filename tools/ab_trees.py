@@ -1,16 +1,19 @@
-"""A/B of two source trees on the GPU: the suite's Triton cases, tree A against tree B, interleaved.
+"""A/B of source trees on the GPU: the suite's Triton cases, tree A against trees B, C, ..., interleaved.
 
 Each tree is a directory holding a `streamkl` package (a checkout, or `git worktree add /tmp/old REV`).
-Both packages are named `streamkl`, so each round runs each tree in its own process (PYTHONPATH=tree),
-alternating A B, B A, ...: drift of the machine lands on both. Per case a worker measures
+The packages are all named `streamkl`, so each round runs each tree in its own process
+(PYTHONPATH=tree), the order reversed every other round (A B C, C B A, ...): drift of the machine
+lands on all. Per case a worker measures
 
 - `kernel_ms`: calls enqueued back to back (L2 flushed before each, one sync at the end), the median
   of CUDA-event times: the kernels' time as in a training loop (the suite's headline column);
 - `host_us`: the wall time of one Python call started on an idle GPU (synchronized before the
   timer starts), median: for the no-grad forward, the training forward (the student's inputs
-  require grad) and the backward, at N = 1K and 4K.
+  require grad) and the backward, at N = 1K and 4K;
+- `step_us`: a training step (forward and backward of the student) repeated back to back, time
+  per step: where the host is slower than the kernels (small N), this is the host's time.
 
-The report is a markdown table of the medians over rounds and the ratio B/A, plus the raw JSON lines.
+The report is a markdown table of the medians over rounds and the ratios to A, plus the raw JSON lines.
 
     git worktree add /tmp/streamkl-old <old-commit>
     python tools/ab_trees.py /tmp/streamkl-old . --rounds 4 --out $OUT
@@ -95,6 +98,25 @@ def _host_us(torch, call, repeats, before=None):
     return statistics.median(spans[3:])
 
 
+def _step_us(torch, streamkl, n, d, steps):
+    """Microseconds per student training step, `steps` steps enqueued back to back."""
+    q1, k1 = _inputs(torch, (1, n, HEADS, d), ())[:2]
+    q2, k2 = _inputs(torch, (1, n, HEADS, d), (0, 1))[:2]
+
+    def step():
+        streamkl.kl(q1, k1, q2, k2, causal=True, backend="triton").backward()
+        q2.grad = k2.grad = None
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
 def worker(tree: str, cases: list[str], repeats: int, host_repeats: int) -> None:
     import torch
 
@@ -145,6 +167,8 @@ def worker(tree: str, cases: list[str], repeats: int, host_repeats: int) -> None
                 value = _host_us(torch, forward, host_repeats)
             case = f"host {mode}, N={n} D={d} causal"
             print(json.dumps(dict(case=case, metric="host_us", value=value)), flush=True)
+        print(json.dumps(dict(case=f"training step, N={n} D={d} causal", metric="step_us",
+                              value=_step_us(torch, streamkl, n, d, host_repeats))), flush=True)
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -160,26 +184,31 @@ def run_tree(tree: Path, args) -> list[dict]:
 
 
 def report(rows: list[dict], trees: dict[str, Path]) -> str:
-    lines = ["# A/B of two trees (medians over rounds)", "",
-             f"- A: `{trees['A']}`", f"- B: `{trees['B']}`",
-             f"- rounds: {max(r['round'] for r in rows) + 1}, alternating A B / B A; kernel_ms: back to back, "
-             "CUDA events, L2 flushed; host_us: one call on an idle GPU", "",
-             "| case | metric | A | B | B/A |", "|---|---|---|---|---|"]
+    labels = list(trees)
+    lines = ["# A/B of source trees (medians over rounds)", ""]
+    lines += [f"- {label}: `{tree}`" for label, tree in trees.items()]
+    lines += [f"- rounds: {max(r['round'] for r in rows) + 1}, the trees' order reversed every other round; kernel_ms: "
+              "back to back, CUDA events, L2 flushed; host_us: one call on an idle GPU", "",
+              "| case | metric | " + " | ".join(labels) + " | " + " | ".join(f"{x}/A" for x in labels[1:]) + " |",
+              "|---|---|" + "---|" * (2 * len(labels) - 1)]
     keys = list(dict.fromkeys((r["case"], r["metric"]) for r in rows))
     for case, metric in keys:
-        values = {label: statistics.median(r["value"] for r in rows if (r["case"], r["metric"], r["tree"]) ==
-                                           (case, metric, label)) for label in ("A", "B")}
-        ratio = values["B"] / values["A"] if values["A"] else float("nan")
+        values = {}
+        for label in labels:
+            seen = [r["value"] for r in rows if (r["case"], r["metric"], r["tree"]) == (case, metric, label)]
+            values[label] = statistics.median(seen) if seen else float("nan")
         fmt = ".3f" if metric == "kernel_ms" else ".0f"
-        lines.append(f"| {case} | {metric} | {values['A']:{fmt}} | {values['B']:{fmt}} | {ratio:.3f} |")
+        ratios = [values[x] / values["A"] if values["A"] else float("nan") for x in labels[1:]]
+        lines.append(f"| {case} | {metric} | " + " | ".join(f"{values[x]:{fmt}}" for x in labels) + " | "
+                     + " | ".join(f"{r:.3f}" for r in ratios) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("tree_a", nargs="?", help="the baseline tree (a directory holding streamkl/)")
-    parser.add_argument("tree_b", nargs="?", default=".", help="the tree measured against it")
+    parser.add_argument("trees", nargs="*", help="the baseline tree A (a directory holding streamkl/), then the "
+                        "trees measured against it (B, C, ...; default: .)")
     parser.add_argument("--rounds", type=int, default=4, help="processes per tree, alternating")
     parser.add_argument("--cases", default=",".join(KERNEL_CASES), help="comma-separated kernel cases")
     parser.add_argument("--repeats", type=int, default=30, help="back-to-back calls per kernel case")
@@ -194,24 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker, args.cases, args.repeats, args.host_repeats)
         return 0
-    if args.tree_a is None:
-        parser.error("give tree A (e.g. a `git worktree` of the old commit) and optionally tree B (default .)")
-    trees = {"A": Path(args.tree_a).resolve(), "B": Path(args.tree_b).resolve()}
+    if not args.trees:
+        parser.error("give tree A (e.g. a `git worktree` of the old commit) and the trees to compare (default .)")
+    paths = args.trees if len(args.trees) > 1 else [*args.trees, "."]
+    trees = {chr(ord("A") + i): Path(tree).resolve() for i, tree in enumerate(paths)}
     for label, tree in trees.items():
         if not (tree / "streamkl" / "__init__.py").exists():
             parser.error(f"tree {label} ({tree}) holds no streamkl package")
     rows = []
     for round_ in range(args.rounds):
-        for label in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
+        for label in list(trees) if round_ % 2 == 0 else list(trees)[::-1]:
             for row in run_tree(trees[label], args):
                 rows.append(dict(row, tree=label, round=round_))
                 print(json.dumps(rows[-1]), flush=True)
-    md = report(rows, trees)
-    print(md)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "ab_trees.md").write_text(md)
-        (args.out / "ab_trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            if args.out:  # after every tree: a run cut short still leaves its table
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "ab_trees.md").write_text(report(rows, trees))
+                (args.out / "ab_trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(report(rows, trees))
     return 0
 
 

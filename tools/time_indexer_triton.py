@@ -1,16 +1,17 @@
 """Time the Triton DSA indexer loss on the GPU next to the teacher's cuDNN SDPA forward.
 
     PYTHONPATH=$PWD python tools/time_indexer_triton.py [--dims 128 192] [N ...]
-        [--lse-tiles BMxBNxW ...] [--forward-tiles BMxBNxW ...] [--backward-tiles BMxBNxW ...]
+        [--lse-tiles BMxBNxW[xS] ...] [--forward-tiles BMxBNxW[xS] ...] [--backward-tiles BMxBNxW[xS] ...]
 
 B = 1, causal, bf16, teacher H = 64 (Hk = 64) D = 128 (and 192 when asked), indexer 64 heads x 128,
 top-k 2048: a random selection per row (scattered over the causal keys) and a local one (the last
 2048 keys). Prints milliseconds (median of CUDA-event timings): the forward with the teacher's lse
 computed and given, the backward, their ratio to the SDPA forward, the top-k stages' ratio to the
 dense stage, and the peak memory of a forward + backward above the inputs and the gradients, in
-bytes per (row, teacher head). `--lse-tiles` / `--forward-tiles` / `--backward-tiles BMxBNxWARPS ...`
-also time the dense forward (lse computed at those tiles) / forward (lse given) / backward at those
-tiles (A/B against the configured ones) at the largest N.
+bytes per (row, teacher head). `--lse-tiles` / `--forward-tiles` / `--backward-tiles BMxBNxWARPS[xSTAGES]
+...` also time the dense forward (lse computed at those tiles) / forward (lse given) / backward at
+those tiles and pipeline depth (A/B against the configured ones) at the largest N; a configuration
+that fails (shared memory, compile error) prints its error and the others go on.
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ def measure(D: int, N: int) -> None:
               f"= {extra / (N * H):.1f} B per (row, head)", flush=True)
 
 
-def tiles_ab(N: int, kernel: str, tiles: tuple[int, int, int], D: int = 128) -> str:
-    """One dense kernel at N with the given (BLOCK_M, BLOCK_N, warps): "lse" (timed as the forward
-    with its lse pass), "forward" (lse given) or "backward"."""
+def tiles_ab(N: int, kernel: str, tiles: tuple[int, ...], D: int = 128) -> str:
+    """One dense kernel at N with the given (BLOCK_M, BLOCK_N, warps[, stages]): "lse" (timed as the
+    forward with its lse pass), "forward" (lse given) or "backward"."""
     dev, dtype, H, Hi, Di = torch.device("cuda"), torch.bfloat16, 64, 64, 128
     q, k = (torch.randn(1, N, H, D, device=dev, dtype=dtype) for _ in range(2))
     qi = torch.randn(1, N, Hi, Di, device=dev, dtype=dtype)
@@ -128,7 +129,10 @@ def main() -> None:
     for kernel, choices in (("backward", args.backward_tiles), ("forward", args.forward_tiles),
                             ("lse", args.lse_tiles)):
         for text in choices:
-            print(tiles_ab(max(args.lengths), kernel, tuple(int(x) for x in text.split("x"))), flush=True)
+            try:
+                print(tiles_ab(max(args.lengths), kernel, tuple(int(x) for x in text.split("x"))), flush=True)
+            except Exception as exc:  # one failing configuration does not end the sweep
+                print(f"{kernel} tiles {text}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             torch.cuda.empty_cache()
 
 

@@ -18,16 +18,18 @@ Nq x Nk ever stored:
   registers (one float32 reduction per program) and G = sum_j dz 1[r > 0] ki added by float32
   reductions into a workspace that holds the launch's rows only. The rows go in launches of two
   ranges (one from each end: equal causal work per launch), each followed by a finishing kernel
-  that writes the range's dqi = w G and dw = qi . G (= sum_j dz relu(r)). Key tiles of 128 keys:
-  G's reduction traffic is per (query tile, key tile, head), so it falls with the key tile. A
+  that writes the range's dqi = w G and dw = qi . G (= sum_j dz relu(r)). G's reduction traffic
+  is per (query tile, key tile, head), so it falls with the key tile, but 64 x 64 tiles' occupancy
+  measures faster than 64 x 128 on the H200. A
   query-major backward would keep dqi in registers but needs Hi x Di float32 per row (32 KB at
   64 x 128): no tile of rows large enough for the teacher's products fits.
 
 Top-k stage: the same kernels with the selection as part of the mask. Each row's indices are
-sorted once per call (O(N K), a buffer the size of `topk_indices`); a
-(query tile, key tile) table marks the tiles some row selected, and the kernels skip the others.
-The work is proportional to the selected tiles: about the dense stage's for scattered selections,
-far less for local or clustered ones.
+sorted once per call (O(N K), a buffer the size of `topk_indices`; keys past the row's causal limit
+sort last as unusable). The lse and forward kernels walk each row's sorted selection with a cursor
+and visit only the key tiles some row selected; the backward skips the others by a (query tile,
+key tile) table. The work is proportional to the selected tiles: about the dense stage's for
+scattered selections, far less for local or clustered ones.
 """
 
 from __future__ import annotations
@@ -125,11 +127,13 @@ def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -
     return max(teacher, index) + SHARED_SLACK
 
 
-# (BLOCK_M, BLOCK_N, warps), largest first. The backward's key tile is its wide side: G's
-# reductions are per (query tile, key tile, indexer head), so their traffic falls with BLOCK_N.
+# (BLOCK_M, BLOCK_N, warps), largest first. H200, N = 32K, bf16, three stages: the backward at
+# 64 x 64 x 4 warps takes 137 ms against 160 at 64 x 128 x 8; the top-k lse pass at 64 x 128 x 4
+# warps 83 ms against 112 at 128 x 128 x 8 (its selection walk's registers halve the occupancy).
 _LADDERS = {
     "lse": ((128, 128, 8),) + _TILE_LADDER, "forward": _TILE_LADDER,
-    "backward": ((64, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4)),
+    "backward": ((64, 64, 4), (32, 64, 4), (32, 32, 4)),
+    "lse_topk": ((64, 128, 4), (64, 64, 4), (32, 64, 4), (32, 32, 4)),
 }
 
 
@@ -138,13 +142,13 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
     largest tiles, then the deepest pipeline, whose shared memory fits `budget` bytes (default:
     what the problem's device allows)."""
     budget = shared_budget(problem.device) if budget is None else budget
-    ladder = _LADDERS[kernel]
+    ladder = _LADDERS["lse_topk" if kernel == "lse" and getattr(problem, "topk", 0) > 0 else kernel]
     if _pow2(problem.dim) > 128 and kernel != "backward":
         ladder = ladder[1:]
     # (sm_90a builds: none spills in the forward and lse kernels)
     for block_m, block_n, warps in ladder:
         block_m, block_n = _fit(block_m, problem.seqlen_q), _fit(block_n, problem.seqlen_k)
-        for stages in (2, 1):
+        for stages in (3, 2, 1):  # H200 at N = 32K: 3 stages take a third off the forward and the backward
             if shared_need(problem, kernel, block_m, block_n, stages) <= budget:
                 return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=1)
@@ -165,22 +169,23 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_of_sequences(problem, rows: torch.Tensor):
-    """(sequence, position in it, its key length, inside a sequence) of flat row numbers."""
+    """(sequence, position in it, its query length, its key length, inside a sequence) of flat row numbers."""
     if not problem.is_varlen:
         seq = rows // problem.seqlen_q
         inside = torch.ones_like(rows, dtype=torch.bool)
-        return seq, rows % problem.seqlen_q, torch.full_like(rows, problem.seqlen_k), inside
+        return (seq, rows % problem.seqlen_q, torch.full_like(rows, problem.seqlen_q),
+                torch.full_like(rows, problem.seqlen_k), inside)
     cu_q = problem.cu_seqlens_q.long()
     cu_k = problem.cu_seqlens_k.long()
     seq = (torch.searchsorted(cu_q, rows, right=True) - 1).clamp(0, problem.batch - 1)
     inside = rows < cu_q[-1]
-    return seq, rows - cu_q[seq], cu_k[seq + 1] - cu_k[seq], inside
+    return seq, rows - cu_q[seq], cu_q[seq + 1] - cu_q[seq], cu_k[seq + 1] - cu_k[seq], inside
 
 
-def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]]):
-    """Each row's selected keys sorted ascending, unusable slots (-1, outside the row's sequence)
-    replaced by BIG_INDEX: int32 [rows, K] (repeats stay: the kernels' membership test sets the
-    same bit twice); and per (BLOCK_M, BLOCK_N) in `shapes`, the uint8 table
+def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]] = ()):
+    """Each row's selected keys sorted ascending, the slots it cannot use (-1, outside its sequence,
+    past its causal limit) replaced by BIG_INDEX: int32 [rows, K] (repeats stay: the kernels' bits
+    set them twice); and per (BLOCK_M, BLOCK_N) in `shapes`, the uint8 table
     [S, query tiles, key tiles] of the tiles some row selected a key of. No host sync."""
     device = topk_indices.device
     top = topk_indices.reshape(-1, problem.topk)
@@ -193,9 +198,10 @@ def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]]
     chunk = max(1, (1 << 22) // max(problem.topk, 1))
     for start in range(0, rows_total, chunk):
         rows = torch.arange(start, min(start + chunk, rows_total), device=device)
-        seq, pos, len_k, inside = _rows_of_sequences(problem, rows)
+        seq, pos, len_q, len_k, inside = _rows_of_sequences(problem, rows)
         raw = top[start : start + len(rows)].to(torch.int32)
-        bad = (raw < 0) | (raw >= len_k[:, None]) | ~inside[:, None]
+        limit = len_k if not problem.causal else torch.minimum(len_k, pos + len_k - len_q + 1)
+        bad = (raw < 0) | (raw >= limit[:, None]) | ~inside[:, None]
         ordered = torch.sort(torch.where(bad, BIG_INDEX, raw), dim=1).values
         sel[start : start + len(rows)] = ordered
         usable = ordered < BIG_INDEX
@@ -245,8 +251,26 @@ def _constants(problem, cfg: dict) -> dict:
     return dict(
         BLOCK_D=_pow2(problem.dim), CAUSAL=problem.causal, VARLEN=problem.is_varlen, TOPK=problem.topk > 0,
         IEEE=problem.dtype == torch.float32, INTERPRET=_interpreting(), STEPS_K=max(problem.topk, 1).bit_length(),
-        **cfg,
+        CHUNK=_chunk(problem.topk), **cfg,
     )
+
+
+def _chunk(topk: int) -> int:
+    """Selection slots the kernels read per row and load: 32 (a 128-byte run), fewer for small K."""
+    return min(32, _pow2(topk))
+
+
+MAX_TOPK_BLOCK_N = 128  # a top-k tile's keys are two 64-bit words of bits per row
+
+
+def _with_tiles(problem, cfg: dict, tiles: tuple[int, ...] | None) -> dict:
+    """`cfg` with (BLOCK_M, BLOCK_N, warps[, stages]) replaced by `tiles` when given."""
+    if tiles is None:
+        return cfg
+    if problem.topk > 0 and tiles[1] > MAX_TOPK_BLOCK_N:
+        raise ValueError(f"tiles: BLOCK_N {tiles[1]} > {MAX_TOPK_BLOCK_N} with a top-k selection")
+    cfg = dict(cfg, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2])
+    return cfg if len(tiles) < 4 else dict(cfg, num_stages=tiles[3])
 
 
 def _launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
@@ -267,11 +291,11 @@ def _tiles(problem, cfg: dict) -> tuple[int, int]:
     return -(-problem.seqlen_q // cfg["BLOCK_M"]), -(-problem.seqlen_k // cfg["BLOCK_N"])
 
 
-def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, int, int] | None = None,
-            lse_tiles: tuple[int, int, int] | None = None):
-    """(loss_rows, head_lse, index_lse) float32; see DSA_INTERFACE.md. `tiles` / `lse_tiles`
-    (BLOCK_M, BLOCK_N, warps) replace `config`'s choice for the forward / the teacher lse kernel
-    (A/B timing in tools/time_indexer_triton.py)."""
+def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ...] | None = None,
+            lse_tiles: tuple[int, ...] | None = None):
+    """(loss_rows, head_lse, index_lse) float32 (the backend interface: streamkl/indexer.py).
+    `tiles` / `lse_tiles` (BLOCK_M, BLOCK_N, warps[, stages]) replace `config`'s choice for the
+    forward / the teacher lse kernel (A/B timing in tools/time_indexer_triton.py)."""
     kernels = _kernels()
     w = _last_contiguous(w)
     device = q.device
@@ -279,20 +303,11 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, in
     row_shape = (problem.total_q,) if varlen else (problem.batch, problem.seqlen_q)
     lse_shape = (problem.heads, problem.total_q) if varlen else (problem.batch, problem.heads, problem.seqlen_q)
     loss, index_lse = _new(row_shape, device), _new(row_shape, device)
-    cfg_lse, cfg_fwd = config(problem, "lse"), config(problem, "forward")
-    if tiles is not None:
-        cfg_fwd = dict(cfg_fwd, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2])
-    if lse_tiles is not None:
-        cfg_lse = dict(cfg_lse, BLOCK_M=lse_tiles[0], BLOCK_N=lse_tiles[1], num_warps=lse_tiles[2])
-    spare = _placeholder(device)
-    sel, tables = spare, [spare, spare]
+    cfg_lse = _with_tiles(problem, config(problem, "lse"), lse_tiles)
+    cfg_fwd = _with_tiles(problem, config(problem, "forward"), tiles)
+    sel = _placeholder(device)
     if problem.topk > 0:
-        shapes = [(cfg_lse["BLOCK_M"], cfg_lse["BLOCK_N"]), (cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"])]
-        if lse is not None or shapes[0] == shapes[1]:  # one table serves both kernels
-            sel, (table,) = selection(problem, topk_indices, shapes[1:])
-            tables = [table, table]
-        else:
-            sel, tables = selection(problem, topk_indices, shapes)
+        sel, _ = selection(problem, topk_indices)
     sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
     cu_q, cu_k = _sequence_args(problem, device)
     block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
@@ -301,14 +316,14 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, in
         head_lse = _last_contiguous(lse)
     else:
         head_lse = _new(lse_shape, device)
-        q_tiles, k_tiles = _tiles(problem, cfg_lse)
+        q_tiles, _ = _tiles(problem, cfg_lse)
         if q_tiles * problem.batch > 0:
             _launch(kernels._head_lse_kernel, (q_tiles * problem.batch * problem.heads,), (
                 _descriptor(q, varlen, cfg_lse["BLOCK_M"], block_d),
                 _descriptor(k, varlen, cfg_lse["BLOCK_N"], block_d),
-                head_lse, sel, tables[0], cu_q, cu_k,
+                head_lse, sel, cu_q, cu_k,
                 0 if varlen else head_lse.stride(0), head_lse.stride(-2), sel_stride,
-                *common, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles,
+                *common, problem.scale * LOG2E, problem.topk, q_tiles,
             ), _constants(problem, cfg_lse))
     q_tiles, k_tiles = _tiles(problem, cfg_fwd)
     rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
@@ -321,7 +336,7 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, in
         _launch(kernels._forward_kernel, (q_tiles * problem.batch * splits,), (
             _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
             _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
-            w, head_lse, parts, sel, tables[1], cu_q, cu_k,
+            w, head_lse, parts, sel, cu_q, cu_k,
             0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
             0 if varlen else problem.seqlen_q, sel_stride, parts.stride(0), parts.stride(1),
             *common, problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, splits, split_tiles,
@@ -388,18 +403,17 @@ def row_ranges(total: int, size: int) -> list[tuple[tuple[int, int], tuple[int, 
 
 
 def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows, *,
-             tiles: tuple[int, int, int] | None = None):
-    """(dqi, dki, dw) in the input dtype; see DSA_INTERFACE.md. `tiles` (BLOCK_M, BLOCK_N, warps)
-    replaces `config`'s choice (A/B timing in tools/time_indexer_triton.py)."""
+             tiles: tuple[int, ...] | None = None):
+    """(dqi, dki, dw) in the input dtype (the backend interface: streamkl/indexer.py). `tiles`
+    (BLOCK_M, BLOCK_N, warps[, stages]) replaces `config`'s choice (A/B timing in
+    tools/time_indexer_triton.py)."""
     backward_kernels = _backward_kernels()
     w = _last_contiguous(w)
     head_lse, index_lse = _last_contiguous(head_lse), index_lse.contiguous()
     grad_rows = grad_rows.float().contiguous()
     device = q.device
     varlen = problem.is_varlen
-    cfg = config(problem, "backward")
-    if tiles is not None:
-        cfg = dict(cfg, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=tiles[2])
+    cfg = _with_tiles(problem, config(problem, "backward"), tiles)
     q_tiles, k_tiles = _tiles(problem, cfg)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     spare = _placeholder(device)
@@ -481,7 +495,7 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
                 "TILES": "u8"}
     constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), BLOCK_H=64, CAUSAL=causal,
                      VARLEN=varlen, TOPK=topk > 0, IEEE=dtype == torch.float32, INTERPRET=False,
-                     STEPS_K=max(topk, 1).bit_length(),
+                     STEPS_K=max(topk, 1).bit_length(), CHUNK=_chunk(topk),
                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     signature = {}
     for name in fn.arg_names:

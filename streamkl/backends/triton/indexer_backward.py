@@ -27,9 +27,12 @@ from streamkl.backends.triton.indexer_kernels import (
     _allowed,
     _descriptor_batch,
     _index_logits,
+    _lower_bound,
     _mm,
+    _selection_mask,
     _span,
     _teacher_probs,
+    _tile_selection,
 )
 
 
@@ -42,7 +45,7 @@ def _backward_kernel(
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, span_tiles,
     BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """One program per (key tile, sequence, row range, query tile of the range): the row range is
     flat rows [lo, hi) (batch entry b's row i is b * seqlen_q + i; packed rows as they are), its
@@ -84,8 +87,14 @@ def _backward_kernel(
         o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         m_i = (o_i >= r0) & (o_i < r1)
         q_row = q_start + q_tile * BLOCK_M
-        p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
-        m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K) & m_i[:, None]
+        m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL) & m_i[:, None]
+        if TOPK:  # the rows' selected keys in the tile: one binary search, then a load for most tiles
+            p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
+            sel_end = tl.where(m_i, topk, 0)
+            cursor = _lower_bound(p_sel, sel_end, k_tile * BLOCK_N, STEPS_K)
+            word0, word1, word2, word3, _, _ = _tile_selection(p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N,
+                                                               CHUNK)
+            m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
         b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                              heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
         b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,

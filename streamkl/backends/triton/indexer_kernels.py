@@ -3,9 +3,13 @@ backward is in `indexer_backward.py`).
 
 Scores work in base 2 (`exp2`, scores times `scale * log2(e)`); statistics are written in natural
 logs. Every kernel walks (query tile, key tile) pairs of one sequence and builds the tile's mask
-from the structure (sequence bounds, bottom-right causality) and, in the top-k stage, from the
-row's sorted, deduplicated selection (`SEL`, sentinel-padded) and a per-(query tile, key tile)
-activity table (`TILES`) that lets whole tiles no row selected be skipped.
+from the structure (sequence bounds, bottom-right causality) and, in the top-k stage, from each
+row's selection sorted ascending (`SEL`, unusable slots BIG_INDEX at the end). The lse and forward
+kernels walk every row's selection with a cursor as they walk the key tiles in order: the next
+tile to visit is the one of the smallest next key over the tile's rows (tiles no row selected are
+not visited), and a tile's keys are read for all rows at once, CHUNK slots a load (one load for
+most tiles). The backward, one program per tile, starts its rows' cursors by a binary search and
+skips tiles no row selected by a per-(query tile, key tile) table (`TILES`).
 
 Layout of the pointers each kernel gets: inputs at any strides with a contiguous last dim;
 head-major statistics `[B, H, N]` / `[H, T]` through (batch, head) strides and a row offset;
@@ -20,6 +24,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+BIG_INDEX = tl.constexpr(1 << 30)  # the host's filler of unusable selection slots; sorts after every key
 
 
 @triton.jit
@@ -84,38 +89,69 @@ def _lower_bound(p_sel, hi, target, STEPS_K: tl.constexpr):
 
 
 @triton.jit
-def _selected(p_sel, topk, m_row, o_j, BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr):
-    """[BM, BN] bool: key o_j[c] is in row r's sorted selection (p_sel: [BM] pointers to row starts;
-    rows off m_row select nothing and read nothing).
-
-    The row's keys in the tile are the slots [lo, hi) of its selection (two binary searches); they
-    are set as bits of two 64-bit words per row ([BM] work per key), expanded once to the tile."""
-    first = tl.min(o_j, axis=0)
-    end = tl.where(m_row, topk, 0)
-    lo = _lower_bound(p_sel, end, first, STEPS_K)
-    count = _lower_bound(p_sel, end, first + BLOCK_N, STEPS_K) - lo
-    bits_lo = (lo * 0).to(tl.int64)  # keys first + [0, 64)
-    bits_hi = (lo * 0).to(tl.int64)  # keys first + [64, 128)
-    for c in tl.range(0, tl.max(count, axis=0)):
-        live = c < count
-        key = tl.load(p_sel + lo + c, mask=live, other=first) - first  # [BM], in [0, BLOCK_N)
-        bit = tl.where(live, 1, 0).to(tl.int64) << (key & 63).to(tl.int64)
-        bits_lo |= tl.where(key < 64, bit, 0)
-        bits_hi |= tl.where(key < 64, 0, bit)
-    rel = o_j - first  # [BN]
-    word = tl.where(rel[None, :] < 64, bits_lo[:, None], bits_hi[:, None])  # [BM, BN]
-    return ((word >> (rel & 63).to(tl.int64)[None, :]) & 1) != 0
+def _or(a, b):
+    return a | b
 
 
 @triton.jit
-def _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL: tl.constexpr, TOPK: tl.constexpr,
-             BLOCK_N: tl.constexpr, STEPS_K: tl.constexpr):
-    """[BM, BN] bool: the keys each row ranges over (sequence bounds, causality, selection)."""
+def _key_at(p_sel, cursor, end):
+    """[BM] int32: each row's selected key in slot `cursor` (BIG_INDEX at or past the row's `end`)."""
+    return tl.load(p_sel + cursor, mask=cursor < end, other=BIG_INDEX)
+
+
+@triton.jit
+def _tile_selection(p_sel, cursor, end, first, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Each row's selected keys in [first, first + BLOCK_N) (BLOCK_N <= 128), read from its sorted
+    selection p_sel[r][cursor[r] : end[r]] whose keys are all >= first: (four [BM] int32 words of
+    bits, key first + 32 w + b as bit b of word w; the cursor past them; the row's next key or
+    BIG_INDEX). 32-bit words: 64-bit ones double the registers of the expanded [BM, BN] mask.
+
+    The slots are read CHUNK at a time for all rows at once (one load of [BM, CHUNK] contiguous
+    runs), again only while some row's chunk lay wholly inside the tile: one load per tile for
+    most tiles, whatever the number of keys a row has in it."""
+    o_c = tl.arange(0, CHUNK)
+    word0 = cursor * 0
+    word1 = cursor * 0
+    word2 = cursor * 0
+    word3 = cursor * 0
+    next_key = cursor * 0
+    more = tl.max(cursor, axis=0) >= 0  # a true scalar
+    while more:
+        slot = cursor[:, None] + o_c[None, :]  # [BM, CHUNK]
+        keys = tl.load(p_sel[:, None] + slot, mask=slot < end[:, None], other=BIG_INDEX)
+        rel = keys - first
+        inside = rel < BLOCK_N  # a prefix of the chunk: the selection is sorted
+        bit = tl.where(inside, 1, 0) << (rel & 31)
+        word = rel >> 5
+        word0 |= tl.reduce(tl.where(word == 0, bit, 0), 1, _or)
+        word1 |= tl.reduce(tl.where(word == 1, bit, 0), 1, _or)
+        word2 |= tl.reduce(tl.where(word == 2, bit, 0), 1, _or)
+        word3 |= tl.reduce(tl.where(word == 3, bit, 0), 1, _or)
+        taken = tl.sum(inside.to(tl.int32), axis=1)
+        cursor += taken
+        next_key = tl.min(tl.where(inside, BIG_INDEX, keys), axis=1)
+        more = tl.max(taken, axis=0) == CHUNK
+    return word0, word1, word2, word3, cursor, next_key
+
+
+@triton.jit
+def _selection_mask(word0, word1, word2, word3, o_j, first):
+    """[BM, BN] bool from `_tile_selection`'s four words: key o_j[c] (in [first, first + 128)) is
+    selected by row r."""
+    rel = o_j - first  # [BN]
+    index = (rel >> 5)[None, :]
+    b_word = tl.where(index == 0, word0[:, None], word1[:, None])
+    b_word = tl.where(index == 2, word2[:, None], b_word)
+    b_word = tl.where(index == 3, word3[:, None], b_word)  # [BM, BN]
+    return ((b_word >> (rel & 31)[None, :]) & 1) != 0
+
+
+@triton.jit
+def _allowed(o_i, o_j, len_q, len_k, CAUSAL: tl.constexpr):
+    """[BM, BN] bool: the keys each row may range over by structure (sequence bounds, causality)."""
     m_ij = (o_i[:, None] < len_q) & (o_j[None, :] < len_k)
     if CAUSAL:
         m_ij = m_ij & (o_j[None, :] <= o_i[:, None] + (len_k - len_q))
-    if TOPK:
-        m_ij = m_ij & _selected(p_sel, topk, o_i < len_q, o_j, BLOCK_N, STEPS_K)
     return m_ij
 
 
@@ -158,14 +194,16 @@ def _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_he
 
 @triton.jit
 def _head_lse_kernel(
-    Q_DESC, K_DESC, LSE, SEL, TILES, CU_Q, CU_K,
+    Q_DESC, K_DESC, LSE, SEL, CU_Q, CU_K,
     stride_lb, stride_lh, stride_sb,
-    seqlen_q, seqlen_k, heads, group, qk_scale, topk, q_tiles, k_tiles,
+    seqlen_q, seqlen_k, heads, group, qk_scale, topk, q_tiles,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """The teacher's per-head lse over each row's allowed keys: one program per (query tile, seq * head)."""
+    """The teacher's per-head lse over each row's allowed keys: one program per (query tile, seq * head).
+    Top-k: only the key tiles holding a selected key are visited (each row's sorted selection
+    walked by a cursor, the next such tile its smallest next key)."""
     q_tile, rest = _tile_order(tl.program_id(0), q_tiles, CAUSAL)
     seq = rest // heads
     h = rest % heads
@@ -176,6 +214,11 @@ def _head_lse_kernel(
     if q_tile * BLOCK_M < len_q:
         seq64 = seq.to(tl.int64)
         p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
+        sel_end = tl.where(m_i, topk, 0)
+        cursor = o_i * 0
+        next_tile = 0
+        if TOPK:
+            next_tile = tl.min(_key_at(p_sel, cursor, sel_end), axis=0) // BLOCK_N
         b_q = Q_DESC.load([desc_b, q_start + q_tile * BLOCK_M, h, 0]).reshape([BLOCK_M, BLOCK_D])
         b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_M], tl.float32)
@@ -185,11 +228,16 @@ def _head_lse_kernel(
         for k_tile in tl.range(0, tl.cdiv(k_end, BLOCK_N)):
             active = True
             if TOPK:
-                active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
+                active = k_tile == next_tile
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K)
                 b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
+                m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL)
+                if TOPK:
+                    word0, word1, word2, word3, cursor, next_key = _tile_selection(
+                        p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
+                    next_tile = tl.min(next_key, axis=0) // BLOCK_N
+                    m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
                 b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
                 b_new = tl.maximum(b_m, tl.max(b_s, axis=1), propagate_nan=tl.PropagateNan.ALL)
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
@@ -202,19 +250,20 @@ def _head_lse_kernel(
 
 @triton.jit
 def _forward_kernel(
-    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, PARTS, SEL, TILES, CU_Q, CU_K,
+    Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, PARTS, SEL, CU_Q, CU_K,
     stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb, stride_pc, stride_ps,
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, splits, split_tiles,
     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Per row, over one split of the key tiles (split s: tiles [s * split_tiles, (s + 1) *
     split_tiles)): the running max m and sum l of exp2(z), a = sum T log T and b = sum T z, written
     to PARTS[0..3, s, row] (untouched where the split has no key tile: the host's neutral values).
     The host merges the splits: lse(z), loss = a - b + lse(z). One program per (query tile,
     sequence, split); the splits of a query tile are consecutive programs, so the query tile's
-    teacher and indexer queries (all heads) are read from memory once for all of them."""
+    teacher and indexer queries (all heads) are read from memory once for all of them. Top-k: as
+    the lse kernel, from each row's first selected key in the split (one binary search)."""
     split = tl.program_id(0) % splits
     q_tile, seq = _tile_order(tl.program_id(0) // splits, q_tiles, CAUSAL)
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
@@ -232,6 +281,12 @@ def _forward_kernel(
         W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
         HEAD_LSE += seq64 * stride_lb + q_start
         p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
+        sel_end = tl.where(m_i, topk, 0)
+        cursor = o_i * 0
+        next_tile = k_first
+        if TOPK:
+            cursor = _lower_bound(p_sel, sel_end, k_first * BLOCK_N, STEPS_K)
+            next_tile = tl.min(_key_at(p_sel, cursor, sel_end), axis=0) // BLOCK_N
         b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of z (base 2)
         b_l = tl.zeros([BLOCK_M], tl.float32)
         b_a = tl.zeros([BLOCK_M], tl.float32)  # sum T log T
@@ -239,11 +294,16 @@ def _forward_kernel(
         for k_tile in tl.range(k_first, k_last):
             active = True
             if TOPK:
-                active = tl.load(TILES + (seq * q_tiles + q_tile) * k_tiles + k_tile) != 0
+                active = k_tile == next_tile
             if active:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
                 k_row = k_start + k_tile * BLOCK_N
-                m_ij = _allowed(o_i, o_j, len_q, len_k, p_sel, topk, CAUSAL, TOPK, BLOCK_N, STEPS_K)
+                m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL)
+                if TOPK:
+                    word0, word1, word2, word3, cursor, next_key = _tile_selection(
+                        p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
+                    next_tile = tl.min(next_key, axis=0) // BLOCK_N
+                    m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
                 b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                                      heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
                 b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])

@@ -3,6 +3,7 @@ descriptors and layouts, and an ahead-of-time compile for sm_90a (no GPU needed)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -81,14 +82,25 @@ def shared_layout(rows: int, dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype(dtype))
 
 
+@dataclasses.dataclass
+class CheckedDescriptor(TensorDescriptor):
+    """A TMA descriptor whose fields the caller made valid: a tensor `select.tma_inputs` accepted
+    (non-empty, contiguous, 16-byte aligned) or allocated here, a box and layout of this module.
+    The base class re-validates every field on each construction, a few microseconds per launch
+    argument; this one does not. Triton takes it as the TensorDescriptor it is."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
 def flat_descriptor(t: torch.Tensor, rows: int, layout=None) -> TensorDescriptor:
-    """A TMA descriptor of a contiguous [..., heads, dim] tensor seen as 2-D [tokens, heads * dim],
-    in [rows, dim] boxes (one box: one head's dim columns of `rows` tokens)."""
+    """A TMA descriptor of a contiguous, 16-byte aligned [..., heads, dim] tensor seen as 2-D
+    [tokens, heads * dim], in [rows, dim] boxes (one box: one head's dim columns of `rows` tokens)."""
     dim = t.shape[-1]
     width = t.shape[-2] * dim
     if layout is None:
         layout = shared_layout(rows, dim, t.dtype)
-    return TensorDescriptor(t, [t.numel() // width, width], [width, 1], [rows, dim], layout)
+    return CheckedDescriptor(t, [t.numel() // width, width], [width, 1], [rows, dim], layout)
 
 
 def compile_sm90(kernel, examples: dict, constexprs: dict, num_warps: int = 4):
