@@ -4,17 +4,13 @@ of the CuPy and Triton backends next to FlashAttention-2 (SDPA with the flash ba
 its forward, and its backward for q, k, v), plus the first-call time of a new shape (NVRTC
 compile of the forward and backward kernels, unless CuPy's disk cache holds them). Prints a
 table; one JSON line per row on stdout too. Helpers come from cupy_forward_h200.py.
-With --dk-keys, instead: the backward launches alone (launch.backward_with) with the key-major
-kernel's blocks of each given size, student and all-four, next to FA2's backward, as markdown.
 
     python benchmarks/cupy_backward_h200.py            # H200 (sm_90), about a minute
-    python benchmarks/cupy_backward_h200.py --dk-keys 64 128
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import sys
@@ -22,13 +18,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from cupy_forward_h200 import DEVICE, inputs, timed
+from cupy_forward_h200 import inputs, timed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import streamkl
-from streamkl.backends.cupy import launch
-from streamkl.problem import build_problem
-from streamkl.sparse.schedule import get_schedule
 
 STUDENT, ALL_FOUR = (False, False, True, True), (True, True, True, True)
 
@@ -78,50 +71,10 @@ def line(r: dict) -> str:
             f"{r['triton_fwd']:8.2f} {r['triton_student']:8.2f} {r['triton_all4']:8.2f} | {r['first_call_s']:10.2f}")
 
 
-def dk_keys_table(dims, keys_options, n: int, h: int) -> None:
-    """The backward launches alone for each dk block size, student and all-four, vs FA2's backward."""
-    head = ["case", "FA2 bwd", *(f"student k{k}" for k in keys_options), *(f"all4 k{k}" for k in keys_options)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    rows = []
-    for dim in dims:
-        x = inputs((1, n), (1, n), h, (h, h), (dim, dim), torch.bfloat16)
-        for causal in (False, True):
-            problem = build_problem(*x, causal=causal)
-            forward_schedule = get_schedule(problem, *launch.forward_tiles(problem))
-            _, lse1, lse2, expect = launch.kl_forward(problem, *x, forward_schedule)
-            grad_rows = torch.full((1, n, h), 1.0 / (n * h), device=DEVICE)  # a mean's upstream gradient
-            schedule = get_schedule(problem, 64, 64)
-            fa2 = fa2_ms(x, causal)[1]
-            row = dict(dim=dim, causal=causal, fa2_bwd=fa2)
-            for label, needs in (("student", STUDENT), ("all4", ALL_FOUR)):
-                for keys in keys_options:
-                    variants = [dataclasses.replace(v, keys=keys) if v.kernel == "dk" else v
-                                for v in launch.backward_variants(problem, needs)]
-                    row[f"{label}_k{keys}"] = timed(functools.partial(
-                        launch.backward_with, variants, problem, *x, lse1, lse2, expect, grad_rows, schedule, needs),
-                        repeats=10)
-            rows.append(row)
-            cells = [f"D{dim}{' causal' if causal else ''}", f"{fa2:.2f}"]
-            cells += [f"{row[f'{label}_k{k}']:.2f} ({row[f'{label}_k{k}'] / fa2:.2f})"
-                      for label in ("student", "all4") for k in keys_options]
-            lines.append("| " + " | ".join(cells) + " |")
-            print(f"D{dim} causal={causal} done", file=sys.stderr, flush=True)
-    print(f"backward launches alone, ms (x FA2 backward), bf16, B=1, H={h}, N={n}; kNN: keys per dk block")
-    print("\n".join(lines))
-    for r in rows:
-        print(json.dumps(r))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 64], help="head dims (both sides)")
-    parser.add_argument("--dk-keys", type=int, nargs="+", choices=[64, 128],
-                        help="only the backward launches, for each keys-per-block of the key-major kernel")
-    parser.add_argument("--n", type=int, default=16384, help="sequence length (--dk-keys)")
-    parser.add_argument("--heads", type=int, default=16, help="heads (--dk-keys)")
     args = parser.parse_args()
-    if args.dk_keys:
-        return dk_keys_table(args.dims, args.dk_keys, args.n, args.heads)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, file=sys.stderr)
     print("times in ms, median; /FA2: over the FA2 forward, /FA2b: over the FA2 backward")
     print(HEADER, flush=True)

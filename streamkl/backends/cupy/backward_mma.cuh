@@ -254,15 +254,13 @@ __global__ void __launch_bounds__(128) kl_backward_dq_mma(const KLParams p) {
 }
 
 // dq rows of SUB queries += dS K by float32 atomics, from the key-major kernel: each warp puts its
-// dS^T C fragments (16 keys x SUB queries) into `buffer` ([KEYS][SUB + 8], input_t), then warp w
-// (of KEYS / 16) multiplies queries 16 (w % 2) .. + 15 by every key of the block for the 8-column
-// groups j = w / 2, w / 2 + KEYS / 32, ...: A from the buffer by ldmatrix.x4.trans, B from K by
-// ldmatrix.x2.trans.
-template <int DP, int NT, int KEYS>
+// dS^T C fragments (16 keys x SUB queries) into `buffer` ([TILE keys][SUB + 8], input_t), then warp
+// w multiplies queries 16 (w % 2) .. + 15 by every key of the tile for the 8-column groups
+// j = w / 2, w / 2 + 2, ...: A from the buffer by ldmatrix.x4.trans, B from K by ldmatrix.x2.trans.
+template <int DP, int NT>
 SK_DEVICE void atomic_dq(input_t* buffer, const float (&ds)[1][NT][4], const input_t* k_rows, float* dq,
                          long long dq_stride, int valid_rows, int dim, float scale, int warp, int lane) {
-    constexpr int BS = SK_MMA_BWD_SUB + 8, ST = DP + 8, GROUPS = DP / 8, HALF = KEYS / 32;  // warps per half
-    constexpr int PER_WARP = (GROUPS + HALF - 1) / HALF;
+    constexpr int BS = SK_MMA_BWD_SUB + 8, ST = DP + 8, GROUPS = DP / 8, PER_WARP = (GROUPS + 1) / 2;
     const int g = lane / 4, c = lane % 4;
     __syncthreads();  // the buffer's previous contents are consumed
 #pragma unroll
@@ -279,12 +277,12 @@ SK_DEVICE void atomic_dq(input_t* buffer, const float (&ds)[1][NT][4], const inp
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[t][r] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < KEYS / 16; ++kk) {
+    for (int kk = 0; kk < SK_MMA_BWD_TILE / 16; ++kk) {
         unsigned a[4];  // matrices: (queries 0-7 | 8-15) x (keys 0-7 | 8-15), stored keys x queries
         sk_ldmatrix_x4_trans(a, buffer + (kk * 16 + (lane / 16) * 8 + lane % 8) * BS + m * 16 + ((lane / 8) % 2) * 8);
 #pragma unroll
         for (int t = 0; t < PER_WARP; ++t) {
-            const int j = warp / 2 + HALF * t;
+            const int j = warp / 2 + 2 * t;
             if (j < GROUPS) {
                 unsigned b[2];
                 sk_ldmatrix_x2_trans(b, k_rows + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * ST + 8 * j);
@@ -296,31 +294,28 @@ SK_DEVICE void atomic_dq(input_t* buffer, const float (&ds)[1][NT][4], const inp
     for (int t = 0; t < PER_WARP; ++t)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const int row = m * 16 + g + 8 * (r / 2), col = 8 * (warp / 2 + HALF * t) + 2 * c + r % 2;
+            const int row = m * 16 + g + 8 * (r / 2), col = 8 * (warp / 2 + 2 * t) + 2 * c + r % 2;
             if (col < dim && row < valid_rows) atomicAdd(dq + row * dq_stride + col, scale * acc[t][r]);
         }
 }
 
 // ---------------------------------------------------------------------------------- dk (key-major)
-// grid (key blocks of KEYS, sequence * key head of the driving side), KEYS / 16 warps of 16 keys;
-// the query tiles are 64 rows (the transposed schedule of 64 x KEYS tiles). DK1, DK2: which of
-// dk1, dk2 this launch computes (both only when the two sides group their query heads alike).
-// DQ_ATOMIC: it also adds dq of those sides, by atomics (the non-deterministic mode): one atomic
-// per dq element per KEYS keys.
-template <int D1P, int D2P, int STAGES, int DK1, int DK2, int DQ_ATOMIC, int KEYS>
-__global__ void __launch_bounds__(KEYS * 2) kl_backward_dk_mma(const KLParams p) {
-    constexpr int THREADS = KEYS * 2, TILE = SK_MMA_BWD_TILE, SUB = SK_MMA_BWD_SUB, NT = SUB / 8;
+// grid (key tiles, sequence * key head of the driving side), 128 threads. DK1, DK2: which of dk1,
+// dk2 this launch computes (both only when the two sides group their query heads alike).
+// DQ_ATOMIC: it also adds dq of those sides, by atomics (the non-deterministic mode).
+template <int D1P, int D2P, int STAGES, int DK1, int DK2, int DQ_ATOMIC>
+__global__ void __launch_bounds__(128) kl_backward_dk_mma(const KLParams p) {
+    constexpr int THREADS = 128, TILE = SK_MMA_BWD_TILE, SUB = SK_MMA_BWD_SUB, NT = SUB / 8;
     constexpr int ST1 = D1P + 8, ST2 = D2P + 8;
     constexpr int STATS = 4 * TILE * (int)(sizeof(float) / sizeof(input_t));  // lse1, lse2, E, g per query row
     constexpr int STAGE = TILE * (ST1 + ST2) + STATS;
-    static_assert(D1P % 16 == 0 && D2P % 16 == 0 && STAGES >= 1 && (DK1 || DK2) && (KEYS == 64 || KEYS == 128),
-                  "variant");
+    static_assert(D1P % 16 == 0 && D2P % 16 == 0 && STAGES >= 1 && (DK1 || DK2), "variant");
 
     SK_DYNAMIC_SMEM(dk_smem);
-    input_t* k1s = reinterpret_cast<input_t*>(dk_smem);  // [KEYS][ST1]
-    input_t* k2s = k1s + KEYS * ST1;                      // [KEYS][ST2]
-    input_t* ring = k2s + KEYS * ST2;  // STAGES x ([TILE][ST1] q1, [TILE][ST2] q2, float [4][TILE] stats)
-    input_t* ds_buffer = ring + STAGES * STAGE;  // DQ_ATOMIC: [KEYS][SUB + 8] dS^T
+    input_t* k1s = reinterpret_cast<input_t*>(dk_smem);  // [TILE][ST1]
+    input_t* k2s = k1s + TILE * ST1;                      // [TILE][ST2]
+    input_t* ring = k2s + TILE * ST2;  // STAGES x ([TILE][ST1] q1, [TILE][ST2] q2, float [4][TILE] stats)
+    input_t* ds_buffer = ring + STAGES * STAGE;  // DQ_ATOMIC: [TILE keys][SUB + 8] dS^T
 
     const int pair = block_pair();
     if (pair >= p.batch_heads) return;
@@ -328,7 +323,7 @@ __global__ void __launch_bounds__(KEYS * 2) kl_backward_dk_mma(const KLParams p)
     const int head_k = pair - seq * p.heads_drive;
     const int k_tile = blockIdx.x;
     const SeqSpan span = seq_span(p, seq);
-    const int key0 = k_tile * KEYS;
+    const int key0 = k_tile * TILE;
     if (key0 >= span.len_k) return;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -344,11 +339,11 @@ __global__ void __launch_bounds__(KEYS * 2) kl_backward_dk_mma(const KLParams p)
     for (int member = 0; member < p.group_drive; ++member) {
         const int head = head_k * p.group_drive + member;
         __syncthreads();  // the previous head's keys and query tiles are consumed
-        load_tile<KEYS, D1P, THREADS>(k1s,
+        load_tile<TILE, D1P, THREADS>(k1s,
                                       reinterpret_cast<const input_t*>(p.k1) + seq * p.k1_b +
                                           (long long)(span.k_start + key0) * p.k1_n + (head / p.group1) * p.k1_h,
                                       p.k1_n, valid_k, p.dim1, vector);
-        load_tile<KEYS, D2P, THREADS>(k2s,
+        load_tile<TILE, D2P, THREADS>(k2s,
                                       reinterpret_cast<const input_t*>(p.k2) + seq * p.k2_b +
                                           (long long)(span.k_start + key0) * p.k2_n + (head / p.group2) * p.k2_h,
                                       p.k2_n, valid_k, p.dim2, vector);
@@ -429,12 +424,12 @@ __global__ void __launch_bounds__(KEYS * 2) kl_backward_dk_mma(const KLParams p)
                     const long long token = span.q_start + row0 + sub * SUB;
                     const int valid_rows = span.len_q - (row0 + sub * SUB);
                     if constexpr (DK1)
-                        atomic_dq<D1P, NT, KEYS>(ds_buffer, s1, k1s,
+                        atomic_dq<D1P, NT>(ds_buffer, s1, k1s,
                                            reinterpret_cast<float*>(p.dq1) + seq * p.dq1_b + token * p.dq1_n +
                                                head * p.dq1_h,
                                            p.dq1_n, valid_rows, p.dim1, p.scale1 / factor, warp, lane);
                     if constexpr (DK2)
-                        atomic_dq<D2P, NT, KEYS>(ds_buffer, s2, k2s,
+                        atomic_dq<D2P, NT>(ds_buffer, s2, k2s,
                                            reinterpret_cast<float*>(p.dq2) + seq * p.dq2_b + token * p.dq2_n +
                                                head * p.dq2_h,
                                            p.dq2_n, valid_rows, p.dim2, p.scale2 / factor, warp, lane);

@@ -61,7 +61,7 @@ static void forward_mma(const KLParams p) { kl_forward_mma<SK_MMA_VARIANT>(p); }
 template <int SIDE1, int SIDE2>
 static void dq_mma(const KLParams p) { kl_backward_dq_mma<SK_MMA_BACKWARD, SIDE1, SIDE2>(p); }
 template <int SIDE1, int SIDE2, int DQ_ATOMIC>
-static void dk_mma(const KLParams p) { kl_backward_dk_mma<SK_MMA_BACKWARD, SIDE1, SIDE2, DQ_ATOMIC, SK_MMA_DK_KEYS>(p); }
+static void dk_mma(const KLParams p) { kl_backward_dk_mma<SK_MMA_BACKWARD, SIDE1, SIDE2, DQ_ATOMIC>(p); }
 #endif
 
 // Runs `fn` over the grid, one std::thread per CUDA thread, block after block. Shared memory
@@ -105,8 +105,7 @@ void emu_run(kernel_fn fn, int grid_x, int grid_y, int grid_z, int threads, long
 }
 
 // kernel: 0 forward, 1 dq, 2 dk, 3 the tensor-core forward of this library's SK_MMA_VARIANT,
-// 4-6 its tensor-core dq, 7-9 its dk and 10-12 its dk with atomic dq (SK_MMA_BACKWARD; dk blocks of
-// SK_MMA_DK_KEYS keys), sides 1, 2, both
+// 4-6 its tensor-core dq, 7-9 its dk and 10-12 its dk with atomic dq (SK_MMA_BACKWARD), sides 1, 2, both
 extern "C" void emu_launch(int kernel, int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
                            const KLParams* params) {
     kernel_fn fn = kernel == 0 ? kl_forward : kernel == 1 ? kl_backward_dq : kl_backward_dk;

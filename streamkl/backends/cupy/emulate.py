@@ -45,8 +45,8 @@ def reasons() -> list[str]:
 def _library(input_code: int, variant: tuple[int, ...] | None = None,
              backward: tuple[int, ...] | None = None) -> ctypes.CDLL:
     """The kernels for one input dtype; with `variant`, also the tensor-core forward
-    kl_forward_mma<variant> (launched as kernel 3); with `backward` (D1P, D2P, STAGES, dk keys),
-    the tensor-core backward kernels of those head dims (kernels 4-12)."""
+    kl_forward_mma<variant> (launched as kernel 3); with `backward` (D1P, D2P, STAGES), the
+    tensor-core backward kernels of those head dims (kernels 4-9)."""
     digest = hashlib.sha256()
     for name in _SOURCES:
         digest.update((_HERE / name).read_bytes())
@@ -67,8 +67,7 @@ def _library(input_code: int, variant: tuple[int, ...] | None = None,
             "-Wno-unknown-pragmas",
             f"-DSTREAMKL_INPUT={input_code}",
             *([f"-DSK_MMA_VARIANT={','.join(map(str, variant))}"] if variant else []),
-            *([f"-DSK_MMA_BACKWARD={','.join(map(str, backward[:3]))}", f"-DSK_MMA_DK_KEYS={backward[3]}"]
-              if backward else []),
+            *([f"-DSK_MMA_BACKWARD={','.join(map(str, backward))}"] if backward else []),
             str(_HERE / "emulate.cpp"),
             "-o",
             str(partial),
@@ -93,7 +92,7 @@ def launch(
 ) -> None:
     """Run one launch to completion on CPU threads; `params` is the one-element KLParams record,
     `variant` the template arguments of kernel 3 (the tensor-core forward), `backward` the head
-    dims, stages and dk keys per block of kernels 4-12 (the tensor-core backward)."""
+    dims and stages of kernels 4-9 (the tensor-core backward)."""
     library = _library(code, variant, backward)
     if library.emu_params_size() != params.dtype.itemsize:
         raise RuntimeError("KLParams layout differs between kernels.cu and launch.py")

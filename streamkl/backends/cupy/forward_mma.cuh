@@ -9,9 +9,7 @@
 // product). q1 and q2 stay in shared memory for the whole block and are read as A fragments
 // (ldmatrix) at every key tile, or once into registers (Q_REGS); the key tiles of both sides
 // stream through a STAGES-deep cp.async ring, the next tiles landing while the current one is
-// multiplied. PIPELINE keeps two score tiles per warp: the products of the next key tile are
-// issued beside the exponentials of this one, so a warp feeds the tensor cores and the MUFU unit
-// at once. The tile shape is launch.forward_shape's choice (launch.FORWARD_CANDIDATES).
+// multiplied. The tile shape is launch.forward_shape's choice.
 //
 // Scores stay raw products; scale * log2 e enters through the exponentials' FMAs
 // (exp2(s * c - m)), and the statistics convert back to natural logs when the row is written. A
@@ -139,7 +137,7 @@ SK_DEVICE void negate_pairs(input_t* rows, int words) {
 // grid (query tiles, sequence * head), WARPS * 32 threads; the schedule's tiles are BLOCK_Q x BLOCK_K.
 // Q_REGS: each warp holds its q1, q2 A fragments in registers for the whole block (no ldmatrix of
 // q per key tile). Writes kl_rows, lse1, lse2, expect for every row of the tile, as kl_forward does.
-template <int D1P, int D2P, int BLOCK_K, int M_TILES, int WARPS, int STAGES, int Q_REGS, int PIPELINE>
+template <int D1P, int D2P, int BLOCK_K, int M_TILES, int WARPS, int STAGES, int Q_REGS>
 __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
     constexpr int THREADS = WARPS * 32;
     constexpr int WARP_ROWS = 16 * M_TILES;
@@ -237,31 +235,6 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
     }
     const int warp_row0 = row0 + warp * WARP_ROWS + g;  // sequence-local query row of h = 0
 
-    // the scores of visit `visit` into s1, s2: wait for its key tiles, issue the loads STAGES - 1
-    // visits ahead (into the slot the previous visit's product has left), multiply
-    auto scores_of = [&](int visit, float (&s1)[M_TILES][NT][4], float (&s2)[M_TILES][NT][4]) {
-        sk_cp_async_wait<STAGES - 2>();
-        __syncthreads();  // this visit's tile is in for every thread; the tile of visit - 1 is consumed
-        const int ahead = visit + STAGES - 1;
-        if (ahead < count) {
-            input_t* k1s = ring + (ahead % STAGES) * STAGE;
-            load_tile<BLOCK_K, D1P, THREADS>(k1s, k1_head + (long long)ahead_key0 * p.k1_n, p.k1_n,
-                                             span.len_k - ahead_key0, p.dim1, vector);
-            load_tile<BLOCK_K, D2P, THREADS>(k1s + BLOCK_K * ST1, k2_head + (long long)ahead_key0 * p.k2_n, p.k2_n,
-                                             span.len_k - ahead_key0, p.dim2, vector);
-            ahead_key0 = ahead + 1 < count ? kv_index[ahead + 1] * BLOCK_K : 0;
-        }
-        sk_cp_async_commit();
-        const input_t* k1s = ring + (visit % STAGES) * STAGE;
-        if constexpr (Q_REGS != 0) {
-            warp_scores_held<D1P, M_TILES, NT>(s1, qa1, k1s, lane);
-            warp_scores_held<D2P, M_TILES, NT>(s2, qa2, k1s + BLOCK_K * ST1, lane);
-        } else {
-            warp_scores<D1P, M_TILES, NT>(s1, warp_q1, k1s, lane);
-            warp_scores<D2P, M_TILES, NT>(s2, warp_q2, k1s + BLOCK_K * ST1, lane);
-        }
-    };
-
     // the statistics update with the scores of visit `visit`, compiled twice: full tiles (every key
     // allowed on both sides, no element tests) and partial ones
     auto update = [&](auto partial_tile, int visit, float (&s1)[M_TILES][NT][4], float (&s2)[M_TILES][NT][4]) {
@@ -338,44 +311,34 @@ __global__ void __launch_bounds__(WARPS * 32) kl_forward_mma(const KLParams p) {
             m2[h] = m2_new;
         }
     };
-    auto update_any = [&](int visit, float (&s1)[M_TILES][NT][4], float (&s2)[M_TILES][NT][4]) {
+
+    for (int visit = 0; visit < count; ++visit) {
+        sk_cp_async_wait<STAGES - 2>();
+        __syncthreads();  // this visit's tile is in for every thread; the tile of visit - 1 is consumed
+        const int ahead = visit + STAGES - 1;
+        if (ahead < count) {
+            input_t* k1s = ring + (ahead % STAGES) * STAGE;
+            load_tile<BLOCK_K, D1P, THREADS>(k1s, k1_head + (long long)ahead_key0 * p.k1_n, p.k1_n,
+                                             span.len_k - ahead_key0, p.dim1, vector);
+            load_tile<BLOCK_K, D2P, THREADS>(k1s + BLOCK_K * ST1, k2_head + (long long)ahead_key0 * p.k2_n, p.k2_n,
+                                             span.len_k - ahead_key0, p.dim2, vector);
+            ahead_key0 = ahead + 1 < count ? kv_index[ahead + 1] * BLOCK_K : 0;
+        }
+        sk_cp_async_commit();
+
+        const input_t* k1s = ring + (visit % STAGES) * STAGE;
+        float s1[M_TILES][NT][4], s2[M_TILES][NT][4];
+        if constexpr (Q_REGS != 0) {
+            warp_scores_held<D1P, M_TILES, NT>(s1, qa1, k1s, lane);
+            warp_scores_held<D2P, M_TILES, NT>(s2, qa2, k1s + BLOCK_K * ST1, lane);
+        } else {
+            warp_scores<D1P, M_TILES, NT>(s1, warp_q1, k1s, lane);
+            warp_scores<D2P, M_TILES, NT>(s2, warp_q2, k1s + BLOCK_K * ST1, lane);
+        }
         if (kv_partial[visit] != 0)
             update(SkBool<true>{}, visit, s1, s2);
         else
             update(SkBool<false>{}, visit, s1, s2);
-    };
-
-    int visit = 0;
-    if constexpr (PIPELINE != 0) {
-        // two score tiles in flight: the products of visit + 1 are issued next to the statistics
-        // update of visit (full tiles, one basic block), so tensor cores and exponentials overlap
-        // within a warp. The full tiles come first in the list; the rest take the plain loop.
-        if (count > 0) {
-            float sa1[M_TILES][NT][4], sa2[M_TILES][NT][4], sb1[M_TILES][NT][4], sb2[M_TILES][NT][4];
-            scores_of(0, sa1, sa2);
-            bool in_a = true;  // the scores of `visit` are in sa (else sb)
-            while (visit + 1 < count && kv_partial[visit] == 0) {
-                if (in_a) {
-                    scores_of(visit + 1, sb1, sb2);
-                    update(SkBool<false>{}, visit, sa1, sa2);
-                } else {
-                    scores_of(visit + 1, sa1, sa2);
-                    update(SkBool<false>{}, visit, sb1, sb2);
-                }
-                in_a = !in_a;
-                ++visit;
-            }
-            if (in_a)
-                update_any(visit, sa1, sa2);
-            else
-                update_any(visit, sb1, sb2);
-            ++visit;
-        }
-    }
-    for (; visit < count; ++visit) {
-        float s1[M_TILES][NT][4], s2[M_TILES][NT][4];
-        scores_of(visit, s1, s2);
-        update_any(visit, s1, s2);
     }
     sk_cp_async_wait<0>();  // only empty groups remain; leave none in flight at exit
 

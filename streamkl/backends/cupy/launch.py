@@ -78,51 +78,10 @@ def source_text() -> str:
 
 
 @dataclass(frozen=True)
-class ForwardTiles:
-    """The tile shape of the tensor-core forward: keys per tile, 16-row blocks per warp, warps per
-    block, cp.async stages, whether each warp holds its q A fragments in registers, and whether it
-    keeps two score tiles in flight (the next tile's products next to this one's exponentials)."""
-
-    block_k: int
-    m_tiles: int
-    warps: int
-    stages: int = 2
-    q_regs: int = 0
-    pipeline: int = 0
-
-
-#: Tile shapes of the tensor-core forward for head dims up to 128 + 128, timed side by side by
-#: `benchmarks/cupy_forward_h200.py --config` and each checked against the reference on a GPU
-#: (tests/test_cupy_gpu.py); `forward_shape` picks one.
-FORWARD_CANDIDATES = {
-    "k32-m2-w4": ForwardTiles(32, 2, 4),  # 128 rows, two 16-row blocks per warp share each key fragment
-    "k64-m2-w4": ForwardTiles(64, 2, 4),  # the same with 64-key tiles: half the barriers per key
-    "k32-m2-w4-s3": ForwardTiles(32, 2, 4, stages=3),  # a three-deep key ring
-    "k64-m1-w8": ForwardTiles(64, 1, 8),  # 128 rows, 8 warps of 16 rows (the key tile serves 8 warps)
-    "k64-m1-w8-qr": ForwardTiles(64, 1, 8, q_regs=1),  # the same, q fragments held in registers
-    "k32-m2-w8": ForwardTiles(32, 2, 8),  # 256 rows, 8 warps of 32 rows
-    "k32-m2-w4-qr": ForwardTiles(32, 2, 4, q_regs=1),  # q in registers: 64 + 64 only (registers)
-    "k32-m2-w4-pl": ForwardTiles(32, 2, 4, pipeline=1),  # two score tiles in flight per warp
-    "k64-m1-w8-pl": ForwardTiles(64, 1, 8, pipeline=1),
-    "k32-m1-w8-pl": ForwardTiles(32, 1, 8, pipeline=1),
-    "k32-m1-w8-qr-pl": ForwardTiles(32, 1, 8, q_regs=1, pipeline=1),
-}
-
-
-def forward_shape(dim1: int, dim2: int) -> ForwardTiles:
-    """The tile shape of the tensor-core forward for head dims `dim1`, `dim2` (rounded up to 16)."""
-    if dim1 + dim2 <= 256:
-        # two 16-row blocks per warp share every key fragment (half the shared-memory reads) while
-        # the score tiles fit the registers without spilling and two blocks fit an SM
-        return FORWARD_CANDIDATES["k32-m2-w4"]
-    return ForwardTiles(32, 1, 4)  # wider heads: one 16-row block per warp, in half the shared memory
-
-
-@dataclass(frozen=True)
 class MmaForward:
     """Template arguments of kl_forward_mma (forward_mma.cuh): head dims rounded up to 16, the key
-    tile, 16-row blocks per warp, warps per block, cp.async stages, q fragments in registers, two
-    score tiles in flight."""
+    tile, 16-row blocks per warp, warps per block, cp.async stages, whether each warp holds its q
+    A fragments in registers."""
 
     dim1: int
     dim2: int
@@ -131,11 +90,6 @@ class MmaForward:
     warps: int = 4
     stages: int = 2
     q_regs: int = 0
-    pipeline: int = 0
-
-    @classmethod
-    def of(cls, dim1: int, dim2: int, tiles: ForwardTiles) -> MmaForward:
-        return cls(dim1, dim2, tiles.block_k, tiles.m_tiles, tiles.warps, tiles.stages, tiles.q_regs, tiles.pipeline)
 
     @property
     def block_q(self) -> int:
@@ -147,12 +101,16 @@ class MmaForward:
 
     @property
     def args(self) -> tuple[int, ...]:
-        return (self.dim1, self.dim2, self.block_k, self.m_tiles, self.warps, self.stages, self.q_regs,
-                self.pipeline)
+        return (self.dim1, self.dim2, self.block_k, self.m_tiles, self.warps, self.stages, self.q_regs)
 
     @property
     def name(self) -> str:
         return f"kl_forward_mma<{', '.join(map(str, self.args))}>"
+
+    @property
+    def label(self) -> str:
+        """The tile shape in short: keys per tile, row blocks per warp, warps, `-qr` q in registers."""
+        return f"k{self.block_k}-m{self.m_tiles}-w{self.warps}" + ("-qr" if self.q_regs else "")
 
     @property
     def shared_bytes(self) -> int:
@@ -160,21 +118,33 @@ class MmaForward:
         return (self.block_q + self.stages * self.block_k) * row_bytes
 
 
+def forward_shape(dim1: int, dim2: int) -> MmaForward:
+    """The tensor-core forward for head dims `dim1`, `dim2` (multiples of 16). The two shapes up to
+    128 + 128 are the fastest of those timed on an H200 (docs/cupy.md)."""
+    if dim1 + dim2 <= 128:
+        # 8 warps of 16 rows share each 64-key tile: half the barriers per key, and registers to
+        # spare for the exponentials (128 per thread)
+        return MmaForward(dim1, dim2, block_k=64, m_tiles=1, warps=8)
+    if dim1 + dim2 <= 256:
+        # two 16-row blocks per warp share every key fragment, q fragments held in registers: the
+        # fewest shared-memory reads per product (255 registers, a few bytes spilled at 128 + 128)
+        return MmaForward(dim1, dim2, block_k=32, m_tiles=2, warps=4, q_regs=1)
+    return MmaForward(dim1, dim2, block_k=32, m_tiles=1, warps=4)  # wider heads: half the shared memory
+
+
 def forward_variant(problem: Problem) -> MmaForward | None:
     """The tensor-core forward serving `problem`, or None: the float32 FMA kernel serves it
     (float32 inputs are multiplied in full float32, SPEC section 2)."""
     if problem.dtype == torch.float32:
         return None
-    dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
-    return MmaForward.of(dim1, dim2, forward_shape(dim1, dim2))
+    return forward_shape(-(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16)
 
 
 @dataclass(frozen=True)
 class MmaBackward:
     """Template arguments of kl_backward_dq_mma / kl_backward_dk_mma (backward_mma.cuh): which
     kernel, head dims rounded up to 16, cp.async stages, the sides whose gradients it computes and,
-    for dk, whether it also adds those sides' dq by atomics and how many keys a block owns (16 per
-    warp)."""
+    for dk, whether it also adds those sides' dq by atomics."""
 
     kernel: str  # "dq" (query-major) or "dk" (key-major)
     dim1: int
@@ -183,30 +153,25 @@ class MmaBackward:
     side1: int
     side2: int
     atomic_dq: int = 0
-    keys: int = 64  # dk: keys per block (64 or 128)
 
-    tile = 64  # query tiles of both kernels, key tiles of the dq kernel
+    threads = 128
+    tile = 64  # queries and keys of the schedule's tiles
     sub = 32  # the other side's rows per score step (SK_MMA_BWD_SUB)
-
-    @property
-    def threads(self) -> int:
-        return 2 * self.keys if self.kernel == "dk" else 128
 
     @property
     def name(self) -> str:
         args = [self.dim1, self.dim2, self.stages, self.side1, self.side2]
         if self.kernel == "dk":
-            args += [self.atomic_dq, self.keys]
+            args.append(self.atomic_dq)
         return f"kl_backward_{self.kernel}_mma<{', '.join(map(str, args))}>"
 
     @property
     def shared_bytes(self) -> int:
-        row_bytes = 2 * (self.dim1 + 8 + self.dim2 + 8)  # both sides' rows, padded
-        tile_bytes = self.tile * row_bytes
+        tile_bytes = self.tile * 2 * (self.dim1 + 8 + self.dim2 + 8)  # both sides' rows, padded
         if self.kernel == "dq":  # q1, q2, then a ring of k1, k2 tiles
             return tile_bytes * (1 + self.stages)
-        ds_buffer = self.atomic_dq * self.keys * 2 * (self.sub + 8)
-        return self.keys * row_bytes + self.stages * (tile_bytes + 4 * 4 * self.tile) + ds_buffer  # k; q ring
+        ds_buffer = self.atomic_dq * self.tile * 2 * (self.sub + 8)
+        return tile_bytes + self.stages * (tile_bytes + 4 * 4 * self.tile) + ds_buffer  # k; ring of q, stats
 
     @property
     def emulator_index(self) -> int:
@@ -220,14 +185,6 @@ def backward_shape(problem: Problem) -> tuple[int, int, int]:
     so that 256 + 256 fits an A100) past that."""
     dim1, dim2 = -(-problem.dim1 // 16) * 16, -(-problem.dim2 // 16) * 16
     return dim1, dim2, 2 if dim1 + dim2 <= 256 else 1
-
-
-def backward_keys(dim1: int, dim2: int) -> int:
-    """Keys per block of the key-major backward (64 or 128, 16 per warp) for head dims `dim1`,
-    `dim2` (rounded up to 16). 128 keys halve the atomics per dq element and the query tiles'
-    loads per key, in one 8-warp block per SM; `benchmarks/cupy_backward_h200.py --dk-keys` times
-    both."""
-    return 64
 
 
 def backward_variants(problem: Problem, needs) -> list[MmaBackward] | None:
@@ -255,8 +212,7 @@ def backward_variants(problem: Problem, needs) -> list[MmaBackward] | None:
         ("dk", fused, 1, dim1 + dim2 <= 128 and same_groups),
     ):
         groups = [sides] if len(sides) == 2 and pair else [[side] for side in sides]
-        keys = backward_keys(dim1, dim2) if kernel == "dk" and stages == 2 else 64
-        launches += [MmaBackward(kernel, dim1, dim2, stages, int(1 in group), int(2 in group), atomic, keys)
+        launches += [MmaBackward(kernel, dim1, dim2, stages, int(1 in group), int(2 in group), atomic)
                      for group in groups]
     return launches
 
@@ -358,13 +314,7 @@ def _launch(kernel: str | MmaForward | MmaBackward, tiles: int, pairs: int, para
     if emulate.emulating():
         # one emulator library per (dtype, head dims) serves all of a problem's launches
         forward = forward_variant(problem)
-        backward = None
-        if problem.dtype != torch.float32:  # (D1P, D2P, stages, dk keys)
-            dim1, dim2, stages = backward_shape(problem)
-            dk_keys = backward_keys(dim1, dim2) if stages == 2 else 64
-            if isinstance(kernel, MmaBackward) and kernel.kernel == "dk":
-                dk_keys = kernel.keys
-            backward = (dim1, dim2, stages, dk_keys)
+        backward = None if problem.dtype == torch.float32 else backward_shape(problem)
         if isinstance(kernel, MmaForward):
             if kernel != forward:  # a variant the backward never pairs with: no backward kernels to build
                 backward = None
@@ -546,24 +496,14 @@ def forward_with(variant: MmaForward | None, problem: Problem, q1, k1, q2, k2, s
 
 # ---------------------------------------------------------------------------------- backward
 def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule: TileSchedule, needs):
-    """(dq1, dk1, dq2, dk2) in the input dtype, None where not needed (`backward_with` on
-    `backward_variants(problem, needs)`)."""
-    return backward_with(backward_variants(problem, needs), problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
-                         schedule, needs)
+    """(dq1, dk1, dq2, dk2) in the input dtype, None where not needed.
 
-
-def backward_with(variants: list[MmaBackward] | None, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect,
-                  grad_rows, schedule: TileSchedule, needs):
-    """`kl_backward` on named launches: tensor-core `variants` (half inputs), or None for the
-    float32 FMA kernels. Benchmarks and tests compare variants through it.
-
-    Query-major kernels write dq, key-major kernels (over the transposed schedule) dk; unless
-    `deterministic`, a key-major kernel also adds dq by atomics (no query-major pass). Both score
-    sides are always recomputed (dS1 needs s2, dS2 needs p); a side whose gradients are not needed
-    costs no gradient product. float16 / bfloat16 run on tensor cores (backward_mma.cuh, 64-query
-    tiles), float32 on the FMA kernels (64 x 32 tiles, no atomics)."""
-    if variants is not None and problem.dtype == torch.float32:
-        raise ValueError("streamkl cupy backend: the tensor-core backward takes float16 / bfloat16 inputs")
+    Query-major kernels write dq, key-major kernels (over the transposed schedule) dk, each owning
+    its outputs: gradients are bitwise reproducible in every mode (no atomics). Both score sides
+    are always recomputed (dS1 needs s2, dS2 needs p); a side whose gradients are not needed costs
+    no gradient product. float16 / bfloat16 run on tensor cores (backward_mma.cuh, 64 x 64 tiles),
+    float32 on the FMA kernels (64 x 32 tiles)."""
+    variants = backward_variants(problem, needs)
     tiles = (BLOCK_Q, BLOCK_K) if variants is None else (MmaBackward.tile, MmaBackward.tile)
     if (schedule.block_q, schedule.block_k) != tiles:  # the forward's tiles differ
         schedule = get_schedule(problem, *tiles)
@@ -643,8 +583,6 @@ def _backward_mma(problem: Problem, record: np.ndarray, schedule: TileSchedule, 
             query = _query_launch(problem, record, schedule, variant.side1, variant.side2)
             _launch(variant, math.ceil(problem.seqlen_q / tile), int(query["batch_heads"][0]), query, problem,
                     together)
-        else:  # the transposed schedule of 64-query x `keys`-key tiles
-            keys = schedule if variant.keys == tile else get_schedule(problem, tile, variant.keys)
-            key = _key_launch(problem, record, keys, variant.side1, variant.side2)
-            _launch(variant, math.ceil(problem.seqlen_k / variant.keys), int(key["batch_heads"][0]), key, problem,
-                    together)
+        else:
+            key = _key_launch(problem, record, schedule, variant.side1, variant.side2)
+            _launch(variant, math.ceil(problem.seqlen_k / tile), int(key["batch_heads"][0]), key, problem, together)
