@@ -1,12 +1,12 @@
-"""The CuPy backend's tensor-core forward on a GPU: every candidate tile shape of
-`launch.FORWARD_CANDIDATES` timed side by side next to FlashAttention-2 (SDPA with the flash
-backend forced) and the default path (`streamkl.kl`, the shape `launch.forward_shape` picks), at
-B=1, H=16, N=16384, bf16, D=128 and 64, causal and not; then the first-call time of a new shape
-(forward and backward compile, in a fresh CuPy cache). Prints one markdown table; one JSON line per
-measurement on stdout too. Correctness of the candidates: tests/test_cupy_gpu.py -k candidate.
+"""The CuPy backend's tensor-core forward on a GPU: the default path (`streamkl.kl`, the tile shape
+`launch.forward_shape` chooses) next to FlashAttention-2 (SDPA with the flash backend forced), at
+B=1, H=16, N=16384, bf16, D=128 and 64, causal and not, with each shape's registers and local
+(spilled) bytes per thread; then the first-call time of a new shape (forward and backward compile,
+in a fresh CuPy cache). Prints one markdown table; one JSON line per measurement on stdout too.
+Correctness: tests/test_cupy_gpu.py.
 
-    python benchmarks/cupy_forward_h200.py                           # all candidates, about a minute
-    python benchmarks/cupy_forward_h200.py --config k32-m2-w4 k64-m1-w8 --dims 64
+    python benchmarks/cupy_forward_h200.py                           # about half a minute
+    python benchmarks/cupy_forward_h200.py --dims 64 --no-first-call
     python benchmarks/cupy_forward_h200.py --first-call              # only the compile time of a new shape
 """
 
@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import streamkl  # noqa: E402
 from streamkl.backends.cupy import emulate, launch  # noqa: E402
 from streamkl.problem import build_problem  # noqa: E402
-from streamkl.sparse.schedule import get_schedule  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run on the emulator
 
@@ -79,53 +76,21 @@ def timed(fn, repeats: int = 20) -> float:
         return float("nan")
 
 
-def _warm(variant) -> str:
-    """Compile one variant in a worker process (CuPy's disk cache keeps it): '' or the error."""
-    try:
-        launch._mma_functions(launch.INPUT_CODES[torch.bfloat16], (variant,), 0)
-        return ""
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"[:300]
-
-
-def compile_all(variants) -> dict:
-    """Compile every variant (one NVRTC module each, as the backend does): first in parallel
-    worker processes, which fill CuPy's disk cache, then here from that cache. {variant:
-    function or the error text}."""
-    if emulate.emulating():
-        return dict.fromkeys(variants)
-    spawn = multiprocessing.get_context("spawn")
-    try:
-        with ProcessPoolExecutor(max_workers=min(12, len(variants)), mp_context=spawn) as pool:
-            errors = [error for error in pool.map(_warm, variants) if error]
-        if errors:
-            print(f"compile errors: {errors}", file=sys.stderr)
-    except Exception as exc:  # the compiles below then run here, one after another
-        print(f"parallel compile failed: {type(exc).__name__}: {exc}"[:400], file=sys.stderr)
-    code = launch.INPUT_CODES[torch.bfloat16]
-    device = torch.cuda.current_device()
-    functions = {}
-    for variant in variants:
-        try:
-            functions[variant] = launch._mma_functions(code, (variant,), device)[variant.name]
+def kernel_resources(variant) -> dict:
+    """Registers and local (spilled) bytes per thread of the compiled `variant`, shared bytes."""
+    resources = dict(shape=variant.label, smem=variant.shared_bytes)
+    if not emulate.emulating():
+        try:  # the module the default path compiled (cached)
+            code, device = launch.INPUT_CODES[torch.bfloat16], torch.cuda.current_device()
+            function = launch._mma_functions(code, (variant,), device)[variant.name]
+            resources.update(regs=function.num_regs, local_bytes=function.local_size_bytes)
         except Exception as exc:
-            functions[variant] = f"{type(exc).__name__}: {exc}"[:300]
-    return functions
+            print(f"resources of {variant.name}: {type(exc).__name__}: {exc}"[:400], file=sys.stderr)
+    return resources
 
 
-def rel_l2(a: torch.Tensor, e: torch.Tensor) -> float:
-    finite = torch.isfinite(e)
-    a, e = a[finite].double(), e[finite].double()
-    return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
-
-
-def candidates(names, dims, repeats: int, n: int, heads: int) -> list[dict]:
-    """One row per (config, dim, causal): the forward's median ms, next to FA2's."""
-    variants = {(name, dim): launch.MmaForward.of(dim, dim, launch.FORWARD_CANDIDATES[name])
-                for name in names for dim in dims}
-    start = time.perf_counter()
-    functions = compile_all(list(dict.fromkeys(variants.values())))
-    print(f"compiled {len(functions)} variants in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+def forward_rows(dims, repeats: int, n: int, heads: int) -> list[dict]:
+    """One row per (provider, dim, causal): FA2's and the CuPy forward's median ms."""
     rows = []
     for dim in dims:
         x = inputs((1, n), (1, n), heads, (heads, heads), (dim, dim), torch.bfloat16)
@@ -133,58 +98,36 @@ def candidates(names, dims, repeats: int, n: int, heads: int) -> list[dict]:
         for causal in (False, True):
             case = dict(dim=dim, causal=causal)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                fa2 = timed(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal))
-            rows.append(dict(case, config="FA2", ms=fa2))
-            default = functools.partial(streamkl.kl, *x, reduction="none", backend="cupy", causal=causal)
-            rows.append(dict(case, config="default (streamkl.kl)", ms=timed(default, repeats), fa2_ms=fa2,
-                             variant=launch.forward_variant(build_problem(*x)).name))
-            expected = default()
-            problem = build_problem(*x, causal=causal)
-            for name in names:
-                variant = variants[(name, dim)]
-                function = functions[variant]
-                row = dict(case, config=name, variant=variant.name, fa2_ms=fa2, smem=variant.shared_bytes)
-                if isinstance(function, str):
-                    rows.append(dict(row, ms=float("nan"), error=function))
-                    continue
-                row.update(regs=getattr(function, "num_regs", "?"),
-                           local_bytes=getattr(function, "local_size_bytes", "?"))
-                schedule = get_schedule(problem, variant.block_q, variant.block_k)
-                run = functools.partial(launch.forward_with, variant, problem, *x, schedule)
-                row["ms"] = timed(run, repeats)
-                try:
-                    row["rel_diff"] = rel_l2(run()[0], expected)  # against the default path: a gross error shows
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                rows.append(row)
+                fa2 = timed(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal), repeats)
+            rows.append(dict(case, provider="FA2", ms=fa2))
+            cupy = timed(functools.partial(streamkl.kl, *x, reduction="none", backend="cupy", causal=causal), repeats)
+            variant = launch.forward_variant(build_problem(*x, causal=causal))
+            rows.append(dict(case, provider="cupy", ms=cupy, fa2_ms=fa2, variant=variant.name,
+                             **kernel_resources(variant)))
             print(f"D{dim} causal={causal} done", file=sys.stderr, flush=True)
     return rows
 
 
 def table(rows: list[dict], dims) -> str:
-    """Markdown: one line per config, one column per case, "ms (x FA2)"; regs / local bytes per dim."""
+    """Markdown: FA2 and the CuPy forward, one column per case, "ms (x FA2)"; the shape and its
+    registers / local bytes per dim."""
     cases = [(dim, causal) for dim in dims for causal in (False, True)]
-    names = list(dict.fromkeys(r["config"] for r in rows))
-    cell = {(r["config"], r["dim"], r["causal"]): r for r in rows}
-    head = ["config", *(f"D{d}{' causal' if c else ''}" for d, c in cases), *(f"regs/spill D{d}" for d in dims)]
+    cell = {(r["provider"], r["dim"], r["causal"]): r for r in rows}
+    head = ["provider", *(f"D{d}{' causal' if c else ''}" for d, c in cases)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in names:
-        out = [name]
+    for provider in ("FA2", "cupy"):
+        out = [provider]
         for dim, causal in cases:
-            r = cell.get((name, dim, causal))
-            if r is None or r["ms"] != r["ms"]:
-                out.append("failed" if r is not None else "")
-                continue
-            text = f"{r['ms']:.2f}"
-            if "fa2_ms" in r:
+            r = cell[(provider, dim, causal)]
+            text = "failed" if r["ms"] != r["ms"] else f"{r['ms']:.2f}"
+            if "fa2_ms" in r and r["ms"] == r["ms"]:
                 text += f" ({r['ms'] / r['fa2_ms']:.2f})"
-            if r.get("rel_diff", 0.0) > 1e-3 or "error" in r:
-                text += " WRONG"
             out.append(text)
-        for dim in dims:
-            r = cell.get((name, dim, False), {})
-            out.append(f"{r['regs']}/{r['local_bytes']}" if "regs" in r else "")
         lines.append("| " + " | ".join(out) + " |")
+    for dim in dims:
+        r = cell[("cupy", dim, False)]
+        lines.append(f"\nD{dim}: {r['shape']}, {r.get('regs', '?')} registers, {r.get('local_bytes', '?')} local "
+                     f"bytes per thread, {r['smem']} shared bytes per block")
     return "\n".join(lines)
 
 
@@ -219,8 +162,6 @@ def first_call() -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", nargs="+", default=list(launch.FORWARD_CANDIDATES),
-                        choices=list(launch.FORWARD_CANDIDATES), help="candidate tile shapes (default: all)")
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 64], help="head dims (both sides)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--n", type=int, default=16384, help="sequence length (queries and keys)")
@@ -233,9 +174,8 @@ def main():
         return first_call_child()
     print(torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch", torch.__version__, file=sys.stderr)
     if not args.first_call:
-        rows = candidates(args.config, args.dims, args.repeats, args.n, args.heads)
-        print(f"\nforward ms (x FA2), bf16, B=1, H={args.heads}, N={args.n}; regs/spill: registers and local bytes "
-              "per thread")
+        rows = forward_rows(args.dims, args.repeats, args.n, args.heads)
+        print(f"\nforward ms (x FA2), bf16, B=1, H={args.heads}, N={args.n}")
         print(table(rows, args.dims), flush=True)
         for r in rows:
             print(json.dumps(r))

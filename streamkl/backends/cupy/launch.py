@@ -119,15 +119,15 @@ class MmaForward:
 
 
 def forward_shape(dim1: int, dim2: int) -> MmaForward:
-    """The tensor-core forward for head dims `dim1`, `dim2` (multiples of 16). The two shapes up to
-    128 + 128 are the fastest of those timed on an H200 (docs/cupy.md)."""
+    """The tensor-core forward for head dims `dim1`, `dim2` (multiples of 16). Up to 128 + 128, the
+    fastest of the tile shapes timed side by side on an H200 (docs/cupy.md)."""
     if dim1 + dim2 <= 128:
-        # 8 warps of 16 rows share each 64-key tile: half the barriers per key, and registers to
-        # spare for the exponentials (128 per thread)
+        # cheap products, the exponentials weigh most: 8 warps of one 16-row block share each
+        # 64-key tile (half the barriers per key), 128 registers per thread
         return MmaForward(dim1, dim2, block_k=64, m_tiles=1, warps=8)
     if dim1 + dim2 <= 256:
-        # two 16-row blocks per warp share every key fragment, q fragments held in registers: the
-        # fewest shared-memory reads per product (255 registers, a few bytes spilled at 128 + 128)
+        # two 16-row blocks per warp share every key fragment and q stays in registers: the fewest
+        # shared-memory reads per product (255 registers, 24 bytes spilled at 128 + 128)
         return MmaForward(dim1, dim2, block_k=32, m_tiles=2, warps=4, q_regs=1)
     return MmaForward(dim1, dim2, block_k=32, m_tiles=1, warps=4)  # wider heads: half the shared memory
 
