@@ -37,7 +37,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import streamkl  # noqa: E402
+from benchmarks.suite_runner import Timer  # noqa: E402  (the suite's timer: L2 flush, events, peak memory)
 
 MIB = 2**20
 MODES = ("forward", "fwd+bwd")
@@ -130,34 +130,12 @@ def provider_fn(provider: str, inputs, topk, args):
 
 
 # ----------------------------------------------------------------------------- timing and memory
-class Timer:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.flush = torch.empty(256 * MIB, dtype=torch.int8, device=device) if self.cuda else None
-
-    def once(self, fn, memory: bool = False):
-        """(ms, peak extra bytes or None) of one call."""
-        if not self.cuda:
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3, None
-        self.flush.zero_()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        if memory:
-            torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end), (torch.cuda.max_memory_allocated() - base if memory else None)
-
-    def measure(self, fn, rep_ms: float) -> tuple[float, int | None]:
-        fn()  # warm-up: compilation, autotuning, caches
-        ms, peak = self.once(fn, memory=True)
-        times = [ms] + [self.once(fn)[0] for _ in range(max(2, min(int(rep_ms / max(ms, 1e-3)), 100)))]
-        return statistics.median(times), peak
+def measure(timer: Timer, fn, rep_ms: float) -> tuple[float, int | None]:
+    """(median ms, peak extra bytes of the first timed call) of `fn`, after one warm-up call."""
+    fn()  # warm-up: compilation, autotuning, caches
+    ms, peak = timer.once(fn, memory=True)
+    times = [ms] + [timer.once(fn)[0] for _ in range(max(2, min(int(rep_ms / max(ms, 1e-3)), 100)))]
+    return statistics.median(times), peak
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -185,9 +163,9 @@ def run_case(provider: str, n: int, dim: int, args, timer: Timer, device, dtype)
             row["loss"] = float(forward())
         for t in grads:
             t.grad = None
-        row["forward_ms"], row["forward_peak_bytes"] = timer.measure(forward, args.rep_ms)
+        row["forward_ms"], row["forward_peak_bytes"] = measure(timer, forward, args.rep_ms)
         if provider != "sdpa-cudnn":
-            row["fwd+bwd_ms"], row["peak_bytes"] = timer.measure(both, args.rep_ms)
+            row["fwd+bwd_ms"], row["peak_bytes"] = measure(timer, both, args.rep_ms)
             row["backward_ms"] = row["fwd+bwd_ms"] - row["forward_ms"]
         else:
             row["peak_bytes"] = row["forward_peak_bytes"]
@@ -322,7 +300,7 @@ def main(argv=None) -> int:
         providers = [p for p in providers if not p.startswith("megatron-compile")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    timer = Timer(device)
+    timer = Timer(str(device))
     env = environment(device)
     commands, kept = [" ".join(["python", "benchmarks/indexer.py", *args.argv])], []
     if args.append and (out / "indexer.json").exists():

@@ -6,7 +6,7 @@ softmax over keys of the lightning indexer's logits `z = sum_t w_t * relu(<qi_t,
 KL(teacher || student) per query row, dense or over each row's top-k selected keys.
 
 Backends live in `INDEXER_MODULES` (one module each, imported on first use) and expose
-`not_supported_reasons(problem)`, `forward(...)` and `backward(...)` (docs: notes/DSA_INTERFACE).
+`not_supported_reasons(problem)`, `forward(...)` and `backward(...)` (docs/indexer.md).
 """
 
 from __future__ import annotations
