@@ -1,9 +1,11 @@
-"""The autograd path every backend shares: two `torch.library` ops with fake implementations.
+"""The autograd path every backend shares: `_KL` (one autograd.Function) and two `torch.library`
+ops with fake implementations.
 
 `streamkl::kl_forward` and `streamkl::kl_backward` carry the problem as plain tensors, ints and
-floats (the backend's index among them), so `torch.compile(fullgraph=True)` sees two opaque ops and
-no graph break, and eager calls run the very same code; `_KL` (an autograd.Function) connects them.
-The backend chosen in forward also runs the backward. The ops are defined with
+floats (the backend's index among them), so `torch.compile(fullgraph=True)` and dispatch modes see
+two opaque ops and no graph break; eager calls run the same implementations (`run_forward`,
+`run_backward`) directly on the front end's problem. The backend chosen in forward also runs the
+backward. The ops are defined with
 `torch.library.Library` (define + impl) rather than the `torch.library.custom_op` decorator: the
 same public registration, without the decorator's per-call Python wrappers.
 """
