@@ -147,16 +147,6 @@ def _selection_mask(word0, word1, word2, word3, o_j, first):
 
 
 @triton.jit
-def _selected(m_ij, p_sel, cursor, end, o_j, first, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """(m_ij less the keys of the tile from `first` that a row did not select, the cursors past the
-    tile, the next tile some row selects): one step of the forward kernels' walk over the rows'
-    sorted selections."""
-    word0, word1, word2, word3, cursor, next_key = _tile_selection(p_sel, cursor, end, first, BLOCK_N, CHUNK)
-    m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, first)
-    return m_ij, cursor, tl.min(next_key, axis=0) // BLOCK_N
-
-
-@triton.jit
 def _allowed(o_i, o_j, len_q, len_k, CAUSAL: tl.constexpr):
     """[BM, BN] bool: the keys each row may range over by structure (sequence bounds, causality)."""
     m_ij = (o_i[:, None] < len_q) & (o_j[None, :] < len_k)
@@ -244,8 +234,10 @@ def _head_lse_kernel(
                 b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
                 m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL)
                 if TOPK:
-                    m_ij, cursor, next_tile = _selected(m_ij, p_sel, cursor, sel_end, o_j, k_tile * BLOCK_N, BLOCK_N,
-                                                        CHUNK)
+                    word0, word1, word2, word3, cursor, next_key = _tile_selection(
+                        p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
+                    next_tile = tl.min(next_key, axis=0) // BLOCK_N
+                    m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
                 b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
                 b_new = tl.maximum(b_m, tl.max(b_s, axis=1), propagate_nan=tl.PropagateNan.ALL)
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
@@ -308,8 +300,10 @@ def _forward_kernel(
                 k_row = k_start + k_tile * BLOCK_N
                 m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL)
                 if TOPK:
-                    m_ij, cursor, next_tile = _selected(m_ij, p_sel, cursor, sel_end, o_j, k_tile * BLOCK_N, BLOCK_N,
-                                                        CHUNK)
+                    word0, word1, word2, word3, cursor, next_key = _tile_selection(
+                        p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
+                    next_tile = tl.min(next_key, axis=0) // BLOCK_N
+                    m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
                 b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                                      heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
                 b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
