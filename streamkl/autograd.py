@@ -206,7 +206,8 @@ def _reduce(kl_rows: torch.Tensor, reduction: str, count) -> torch.Tensor:
     if reduction == "none":
         return kl_rows
     total = kl_rows.sum()
-    return total.div_(count) if reduction == "mean" else total  # (in place: a fresh scalar)
+    # not divided in place: torch 2.11's compiled autograd.Function then returns zero gradients
+    return total / count if reduction == "mean" else total
 
 
 class _NoSecondDerivative(torch.autograd.Function):

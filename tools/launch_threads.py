@@ -128,6 +128,17 @@ def main(argv: list[str]) -> None:
         torch.cuda.synchronize()
     print(f"loss.backward() behind a long kernel: {statistics.median(spans):.1f}")
 
+    # which runtime / driver calls the host time goes to (cuLaunchKernelEx, allocations, ...)
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        q2.grad = k2.grad = None
+        held = loss()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            held.backward()
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])
