@@ -127,14 +127,19 @@ def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -
     return max(teacher, index) + SHARED_SLACK
 
 
-# (BLOCK_M, BLOCK_N, warps), largest first. H200, N = 32K, bf16, three stages: the backward at
-# 64 x 64 x 4 warps takes 137 ms against 160 at 64 x 128 x 8; the top-k lse pass at 64 x 128 x 4
-# warps 83 ms against 112 at 128 x 128 x 8 (its selection walk's registers halve the occupancy).
+# (BLOCK_M, BLOCK_N, warps[, most stages]), largest first. H200, N = 32K, bf16: the backward at
+# 64 x 64 x 4 warps takes 137 ms against 160 at 64 x 128 x 8 (three stages); the top-k lse pass at
+# 64 x 128 x 4 warps 83 ms against 112 at 128 x 128 x 8 (its selection walk's registers halve the
+# occupancy); the dense forward at 64 x 128 x 4 warps and two stages 49.5 ms against 57.5 at three
+# and 59.3 at 128 x 64 x 8.
 _LADDERS = {
-    "lse": ((128, 128, 8),) + _TILE_LADDER, "forward": _TILE_LADDER,
-    "backward": ((64, 64, 4), (32, 64, 4), (32, 32, 4)),
+    "lse": ((128, 128, 8),) + _TILE_LADDER, "forward": ((64, 128, 4, 2),) + _TILE_LADDER,
+    "forward_topk": _TILE_LADDER, "backward": ((64, 64, 4), (32, 64, 4), (32, 32, 4)),
     "lse_topk": ((64, 128, 4), (64, 64, 4), (32, 64, 4), (32, 32, 4)),
 }
+# teacher head dims over 128 (padded): without their largest tiles
+_WIDE_LADDERS = {name: _LADDERS[name][1:] for name in ("lse", "lse_topk", "forward_topk")}
+_WIDE_LADDERS["forward"] = _TILE_LADDER[1:]
 
 
 def config(problem, kernel: str, budget: int | None = None) -> dict:
@@ -142,13 +147,13 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
     largest tiles, then the deepest pipeline, whose shared memory fits `budget` bytes (default:
     what the problem's device allows)."""
     budget = shared_budget(problem.device) if budget is None else budget
-    ladder = _LADDERS["lse_topk" if kernel == "lse" and getattr(problem, "topk", 0) > 0 else kernel]
-    if _pow2(problem.dim) > 128 and kernel != "backward":
-        ladder = ladder[1:]
+    topk = getattr(problem, "topk", 0) > 0
+    name = f"{kernel}_topk" if topk and kernel in ("lse", "forward") else kernel
+    ladder = _WIDE_LADDERS.get(name, _LADDERS[name]) if _pow2(problem.dim) > 128 else _LADDERS[name]
     # (sm_90a builds: none spills in the forward and lse kernels)
-    for block_m, block_n, warps in ladder:
+    for block_m, block_n, warps, *most in ladder:
         block_m, block_n = _fit(block_m, problem.seqlen_q), _fit(block_n, problem.seqlen_k)
-        for stages in (3, 2, 1):  # H200 at N = 32K: 3 stages take a third off the forward and the backward
+        for stages in range(most[0] if most else 3, 0, -1):  # deeper pipelines first
             if shared_need(problem, kernel, block_m, block_n, stages) <= budget:
                 return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=1)
@@ -486,6 +491,7 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
     shape = _Shape()
     shape.dim, shape.index_dim, shape.dtype, shape.device = dim, index_dim, dtype, torch.device("cpu")
     shape.seqlen_q = shape.seqlen_k = 1 << 15
+    shape.topk = topk
     cfg = config(shape, "backward" if kernel == "finish" else kernel)
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     descriptors = {"Q_DESC": (element, "BLOCK_M", "BLOCK_D"), "K_DESC": (element, "BLOCK_N", "BLOCK_D"),
