@@ -8,7 +8,9 @@ Shapes (GPU defaults): B=1, N in {8K, 32K, 128K}, causal; teacher H=64 query and
 192; indexer 64 heads x 128; top-k 2048 (random causal positions, the same for every provider).
 Providers (each guarded: an error or "OOM" is recorded in its cell, never aborts the run):
 - `streamkl-<backend>-dense`, `streamkl-<backend>-topk`: streamkl.indexer_kl(..., backend=<backend>),
-  reduction mean, the teacher's lse computed by the loss (not passed in).
+  reduction mean, the teacher's lse computed by the loss (not passed in). `-topklocal`: the top-k
+  stage on each row's k most recent keys instead of random ones (the tiles' best case: the
+  selected keys cluster; the random selection is the worst, it touches nearly every tile).
 - `megatron-eager-dense|topk`, `megatron-compile-dense|topk`: the per-head score matrices and the
   indexer's [b, sq, sk] scores materialized in float32, softmaxes, heads summed and L1-normalized,
   KL summed over keys and averaged over rows; autograd for the backward; compiled with
@@ -94,21 +96,25 @@ def make_inputs(n: int, dim: int, args, device, dtype):
     rows = torch.arange(n, device=device)[:, None]
     picks = (torch.rand(n, args.topk, device=device) * (rows + 1)).long()
     picks[:, 0] = rows[:, 0]  # every row keeps its own token: no row is empty
-    picks = torch.where(torch.arange(args.topk, device=device)[None, :] <= rows, picks, -1)
-    return (q, k, qi, ki, w), picks.int()[None]
+    slots = torch.arange(args.topk, device=device)[None, :]
+    picks = torch.where(slots <= rows, picks, -1)
+    # the best case for the tiles: each row's topk most recent keys (its own token first), the
+    # selection of an indexer that learned a sliding window; a trained indexer's lies in between
+    local = torch.where(slots <= rows, rows - slots, -1)
+    return (q, k, qi, ki, w), {"topk": picks.int()[None], "topklocal": local.int()[None]}
 
 
-def provider_fn(provider: str, inputs, topk, args):
+def provider_fn(provider: str, inputs, selections, args):
     """A callable running one forward (returning the loss), or raises for an unusable provider."""
     q, k, qi, ki, w = inputs
     dim = q.shape[-1]
     if provider.startswith("streamkl-"):
         _, backend, stage = provider.split("-")
-        chosen = topk if stage == "topk" else None
+        chosen = selections.get(stage)
         return lambda: streamkl.indexer_kl(q, k, qi, ki, w, causal=True, topk_indices=chosen, backend=backend)
     if provider.startswith("megatron-"):
         _, how, stage = provider.split("-")
-        chosen = topk if stage == "topk" else None
+        chosen = selections.get(stage)
         fn = megatron_indexer_loss
         if how == "compile":
             fn = _COMPILED.setdefault("megatron", torch.compile(megatron_indexer_loss, dynamic=False))
@@ -150,9 +156,9 @@ def _free():
 
 def run_case(provider: str, n: int, dim: int, args, timer: Timer, device, dtype) -> dict:
     row = {"provider": provider, "N": n, "D": dim}
-    inputs, topk = make_inputs(n, dim, args, device, dtype)
+    inputs, selections = make_inputs(n, dim, args, device, dtype)
     try:
-        forward = provider_fn(provider, inputs, topk, args)
+        forward = provider_fn(provider, inputs, selections, args)
         grads = inputs[2:]
 
         def both():
@@ -171,7 +177,7 @@ def run_case(provider: str, n: int, dim: int, args, timer: Timer, device, dtype)
             row["peak_bytes"] = row["forward_peak_bytes"]
     except Exception as error:  # noqa: BLE001 - every failure is a cell of the table
         row["note"] = "OOM" if _is_oom(error) else f"error: {type(error).__name__}: {str(error)[:300]}"
-    del inputs, topk
+    del inputs, selections
     _free()
     return row
 
@@ -292,7 +298,8 @@ def main(argv=None) -> int:
         if args.backend == "triton":
             args.backend = "torch"
     dtype = getattr(torch, args.dtype)
-    providers = [f"streamkl-{args.backend}-dense", f"streamkl-{args.backend}-topk", "megatron-eager-dense",
+    providers = [f"streamkl-{args.backend}-dense", f"streamkl-{args.backend}-topk",
+                 f"streamkl-{args.backend}-topklocal", "megatron-eager-dense",
                  "megatron-eager-topk", "megatron-compile-dense", "megatron-compile-topk", "sdpa-cudnn"]
     if args.providers:
         providers = [p for p in args.providers.split(",") if p]
