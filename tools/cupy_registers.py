@@ -2,8 +2,9 @@
 way the backend builds them and through nvcc for comparison. No GPU needed.
 
 NVRTC column: launch.source_text() compiled by libnvrtc with launch.mma_options(code), the options
-CuPy's RawModule appends (-ftz=true, -arch=sm_XX, --device-as-default-execution-space) and the variants' names as name expressions,
-exactly as launch._mma_functions does; the PTX then goes through ptxas -v for the chosen arch.
+CuPy's RawModule appends (-ftz=true, -arch=sm_XX, --device-as-default-execution-space) and the
+variants' names as name expressions, exactly as launch._mma_functions does; the PTX NVRTC makes
+goes through ptxas -v for the chosen arch.
 nvcc column: the same text with the same templates instantiated explicitly, nvcc --ptx with the same
 defines and -ftz=true, then the same ptxas. Both columns share the ptxas, so a difference is the
 front end's (the PTX), not the assembler's.
