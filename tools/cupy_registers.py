@@ -105,46 +105,60 @@ def nvrtc_version() -> str:
     return f"{major.value}.{minor.value}"
 
 
-def nvrtc_ptx(code: int, arch: int, names: list[str], options: tuple[str, ...] = ()) -> tuple[str, dict[str, str]]:
-    """(PTX, {name expression: mangled name}) of the backend's source compiled by NVRTC as CuPy
-    compiles it; `options` go after CuPy's (an experiment's extra options)."""
+@dataclass
+class Usage:
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+
+
+def nvrtc_compile(code: int, arch: int, names: list[str], options: tuple[str, ...] = ()):
+    """(PTX, {name expression: mangled name}, NVRTC's log) of the backend's source compiled by NVRTC
+    as CuPy compiles it, to a cubin with NVRTC's own ptxas reporting (-v); `options` go after
+    CuPy's (an experiment's extra options)."""
     lib = _nvrtc_library()
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-
-    def check(status: int, program=None) -> None:
-        if status == 0:
-            return
-        log = ""
-        if program is not None:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-            buffer = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(program, buffer)
-            log = buffer.value.decode(errors="replace")
-        raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(status).decode()}\n{log}")
-
     program = ctypes.c_void_p()
+
+    def log() -> str:
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        buffer = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(program, buffer)
+        return buffer.value.decode(errors="replace")
+
+    def check(status: int) -> None:
+        if status:
+            raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(status).decode()}\n{log() if program else ''}")
+
     check(lib.nvrtcCreateProgram(ctypes.byref(program), source_text().encode(), b"kernels.cu", 0, None, None))
     try:
         for name in names:
-            check(lib.nvrtcAddNameExpression(program, name.encode()), program)
-        # CuPy (13, 14) asks NVRTC for a cubin (-arch=sm_XX); the PTX NVRTC makes on the way goes
-        # to the same ptxas as nvcc's below
-        all_options = (*mma_options(code), *CUPY_OPTIONS, f"-arch=sm_{arch}", *options)
+            check(lib.nvrtcAddNameExpression(program, name.encode()))
+        # CuPy (13, 14) asks NVRTC for a cubin (-arch=sm_XX), NVRTC running ptxas itself
+        all_options = (*mma_options(code), *CUPY_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v", *options)
         encoded = [option.encode() for option in all_options]
-        check(lib.nvrtcCompileProgram(program, len(encoded), (ctypes.c_char_p * len(encoded))(*encoded)), program)
+        check(lib.nvrtcCompileProgram(program, len(encoded), (ctypes.c_char_p * len(encoded))(*encoded)))
         size = ctypes.c_size_t()
-        check(lib.nvrtcGetPTXSize(program, ctypes.byref(size)), program)
+        check(lib.nvrtcGetPTXSize(program, ctypes.byref(size)))
         buffer = ctypes.create_string_buffer(size.value)
-        check(lib.nvrtcGetPTX(program, buffer), program)
+        check(lib.nvrtcGetPTX(program, buffer))
         lowered = {}
         for name in names:
             mangled = ctypes.c_char_p()
-            check(lib.nvrtcGetLoweredName(program, name.encode(), ctypes.byref(mangled)), program)
+            check(lib.nvrtcGetLoweredName(program, name.encode(), ctypes.byref(mangled)))
             lowered[name] = mangled.value.decode()
-        return buffer.value.decode(), lowered
+        return buffer.value.decode(), lowered, log()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def nvrtc_usage(code: int, arch: int, names: list[str], options: tuple[str, ...] = ()) -> dict[str, Usage]:
+    """{name expression: Usage} of the kernels `names` as CuPy's NVRTC builds them (NVRTC's ptxas)."""
+    _, lowered, text = nvrtc_compile(code, arch, names, options)
+    usage = parse_ptxas(text)
+    return {name: usage[lowered[name]] for name in names}
 
 
 def nvcc_ptx(code: int, arch: int, names: list[str], options: tuple[str, ...] = ()) -> str:
@@ -161,16 +175,8 @@ def nvcc_ptx(code: int, arch: int, names: list[str], options: tuple[str, ...] = 
         return out.read_text()
 
 
-@dataclass
-class Usage:
-    registers: int
-    spill_stores: int
-    spill_loads: int
-    stack: int
-
-
 def ptxas_usage(ptx: str, arch: int) -> dict[str, Usage]:
-    """{mangled entry name: Usage} from ptxas -v on `ptx` for sm_`arch`."""
+    """{mangled entry name: Usage} from the standalone ptxas -v on `ptx` for sm_`arch`."""
     with tempfile.TemporaryDirectory() as directory:
         source = Path(directory, "unit.ptx")
         source.write_text(ptx)
@@ -178,9 +184,14 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, Usage]:
                                  str(Path(directory, "unit.cubin"))], capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"ptxas failed:\n{result.stderr}")
+    return parse_ptxas(result.stderr)
+
+
+def parse_ptxas(text: str) -> dict[str, Usage]:
+    """{mangled entry name: Usage} from ptxas -v's report."""
     usage: dict[str, Usage] = {}
     entry, frame = None, (0, 0, 0)
-    for line in result.stderr.splitlines():
+    for line in text.splitlines():
         if match := re.search(r"Compiling entry function '(\w+)'", line):
             entry, frame = match.group(1), (0, 0, 0)
         elif match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line):
@@ -193,16 +204,23 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, Usage]:
 
 # ---------------------------------------------------------------------------------- report
 def measure(code: int, arch: int, variants, compilers, extra=()) -> dict[str, dict[str, Usage]]:
-    """{compiler: {variant name: Usage}}."""
+    """{compiler: {variant name: Usage}}: "nvrtc" as CuPy builds them, "nvcc" through nvcc --ptx
+    and the standalone ptxas."""
     names = [variant.name for variant in variants]
-    ptx, lowered = nvrtc_ptx(code, arch, names, extra)
     results = {}
-    for compiler in compilers:
-        if compiler == "nvcc":
-            ptx = nvcc_ptx(code, arch, names)
-        usage = ptxas_usage(ptx, arch)
-        results[compiler] = {name: usage[lowered[name]] for name in names}
+    if "nvrtc" in compilers:
+        results["nvrtc"] = nvrtc_usage(code, arch, names, extra)
+    if "nvcc" in compilers:
+        usage = ptxas_usage(nvcc_ptx(code, arch, names), arch)
+        results["nvcc"] = {name: usage[_mangled(name)] for name in names}
     return results
+
+
+def _mangled(name: str) -> str:
+    """The Itanium name of `kl_..._mma<a, b, ...>(KLParams)` (what nvcc and NVRTC emit)."""
+    base, args = name[:-1].split("<")
+    values = "".join(f"Li{int(value)}E" for value in args.split(","))
+    return f"_Z{len(base)}{base}I{values}Ev8KLParams"
 
 
 def _cell(usage: Usage) -> str:
