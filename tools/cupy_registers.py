@@ -3,11 +3,12 @@ way the backend builds them and through nvcc for comparison. No GPU needed.
 
 NVRTC column: launch.source_text() compiled by libnvrtc with launch.mma_options(code), the options
 CuPy's RawModule appends (-ftz=true, -arch=sm_XX, --device-as-default-execution-space) and the
-variants' names as name expressions, exactly as launch._mma_functions does; the PTX NVRTC makes
-goes through ptxas -v for the chosen arch.
+variants' names as name expressions, exactly as launch._mma_functions does; the numbers are those
+of NVRTC's own ptxas (--ptxas-options=-v), the cubin CuPy loads.
 nvcc column: the same text with the same templates instantiated explicitly, nvcc --ptx with the same
-defines and -ftz=true, then the same ptxas. Both columns share the ptxas, so a difference is the
-front end's (the PTX), not the assembler's.
+defines and -ftz=true, then the standalone ptxas of the same release. A difference is the front
+end's (the PTX), not the assembler's. nvrtc_compile also returns NVRTC's PTX, to diff against
+nvcc_ptx's.
 
     python tools/cupy_registers.py                        # every variant, sm_90 and sm_80, bf16 and fp16
     python tools/cupy_registers.py --arch 90 --dtype bf16 --dims 128x128 --compiler nvrtc
@@ -244,7 +245,6 @@ def main(argv=None) -> int:
             variants.setdefault(variant.name, variant)
     chosen = list(variants.values())
     print(f"NVRTC {nvrtc_version()}; options {' '.join(mma_options(0)[:1] + CUPY_OPTIONS + tuple(args.nvrtc_option))}")
-    worst = 0
     for arch in args.arch:
         for dtype in args.dtype:
             code = DTYPES[dtype][0]
@@ -255,7 +255,6 @@ def main(argv=None) -> int:
             for variant in chosen:
                 cells = [_cell(results[compiler][variant.name]) for compiler in args.compiler]
                 print(f"{variant.name:<44}" + "".join(f"{cell:>24}" for cell in cells) + f"{variant.shared_bytes:>8}")
-                worst = max(worst, *(results[c][variant.name].spill_stores for c in args.compiler))
     return 0
 
 
