@@ -48,30 +48,30 @@ static void probe(const KLParams p) {
     auto pair = [](const input_t* row, int col) { return (unsigned)row[col] | ((unsigned)row[col + 1] << 16); };
 
     unsigned frag[4];  // A fragment: a0 (g, 2c), a1 (g + 8, 2c), a2 (g, 2c + 8), a3 (g + 8, 2c + 8)
-    sk_ldmatrix_x4(frag, a + (lane % 16) * 16 + (lane / 16) * 8);
+    sk_ldmatrix_x4(frag, sk_shared_address(a + (lane % 16) * 16 + (lane / 16) * 8));
     bad += frag[0] != pair(a + g * 16, 2 * c);
     bad += frag[1] != pair(a + (g + 8) * 16, 2 * c);
     bad += frag[2] != pair(a + g * 16, 2 * c + 8);
     bad += frag[3] != pair(a + (g + 8) * 16, 2 * c + 8);
 
     unsigned two[2];  // x2: matrices 0 and 1 from the addresses of lanes 0-15
-    sk_ldmatrix_x2(two, a + (lane % 16) * 16 + (lane / 16) * 8);
+    sk_ldmatrix_x2(two, sk_shared_address(a + (lane % 16) * 16 + (lane / 16) * 8));
     bad += two[0] != frag[0];
     bad += two[1] != frag[1];
 
     unsigned trans[4];  // .trans of A's transpose: matrix i holds the transpose of A's blocks
-    sk_ldmatrix_x4_trans(trans, at + (lane % 16) * 16 + (lane / 16) * 8);
+    sk_ldmatrix_x4_trans(trans, sk_shared_address(at + (lane % 16) * 16 + (lane / 16) * 8));
     bad += trans[0] != frag[0];
     bad += trans[1] != frag[2];
     bad += trans[2] != frag[1];
     bad += trans[3] != frag[3];
     unsigned trans2[2];
-    sk_ldmatrix_x2_trans(trans2, at + (lane % 16) * 16 + (lane / 16) * 8);
+    sk_ldmatrix_x2_trans(trans2, sk_shared_address(at + (lane % 16) * 16 + (lane / 16) * 8));
     bad += trans2[0] != frag[0];
     bad += trans2[1] != frag[2];
 
     unsigned b[2];  // B fragment: b0 (rows 2c, 2c + 1; col g), b1 (rows 2c + 8, 2c + 9; col g)
-    sk_ldmatrix_x2(b, k + (lane % 8) * 16 + ((lane / 8) % 2) * 8);
+    sk_ldmatrix_x2(b, sk_shared_address(k + (lane % 8) * 16 + ((lane / 8) % 2) * 8));
     bad += b[0] != pair(k + g * 16, 2 * c);
     bad += b[1] != pair(k + g * 16, 2 * c + 8);
 
@@ -87,7 +87,7 @@ static void probe(const KLParams p) {
     // the backward's reuse of C fragments: C = A [K; K2]^T (16 x 16, two mma) rounded into one A
     // fragment (fragments_to_a), times V [16][16] (row stride 24) with B from ldmatrix.trans
     unsigned b2[2];
-    sk_ldmatrix_x2(b2, k2 + (lane % 8) * 16 + ((lane / 8) % 2) * 8);
+    sk_ldmatrix_x2(b2, sk_shared_address(k2 + (lane % 8) * 16 + ((lane / 8) % 2) * 8));
     float c_low[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c_high[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     sk_mma_16816(c_low, frag, b);
     sk_mma_16816(c_high, frag, b2);
@@ -111,9 +111,9 @@ static void probe(const KLParams p) {
     bad += sk_shfl_xor((float)lane, 5) != (float)(lane ^ 5);
 
     // cp.async: chunk `lane` of A (zero-filled for odd lanes) lands at the retiring wait, not before
-    sk_cp_async_16(landing + lane * 8, a + lane * 8, lane % 2 ? 0 : 16);
+    sk_cp_async_16(sk_shared_address(landing + lane * 8), a + lane * 8, lane % 2 ? 0 : 16);
     sk_cp_async_commit();
-    sk_cp_async_16(landing + lane * 8, a + lane * 8, 16);  // a second group, left in flight
+    sk_cp_async_16(sk_shared_address(landing + lane * 8), a + lane * 8, 16);  // a second group, left in flight
     sk_cp_async_commit();
     bad += landing[lane * 8] != (input_t)0x7fc0;  // still the shared-memory poison
     sk_cp_async_wait<1>();

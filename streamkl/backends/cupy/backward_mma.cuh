@@ -50,10 +50,12 @@ SK_DEVICE void fragments_to_a(unsigned (&a)[4], const float (&low)[4], const flo
 template <int DP>
 SK_DEVICE void warp_accumulate(float (&acc)[DP / 8][4], const unsigned (&a)[4], const input_t* rows, int lane) {
     constexpr int ST = DP + 8;
+    const sk_smem lane_rows =
+        sk_advance(sk_shared_address(rows), ((lane % 8) + ((lane / 8) % 2) * 8) * ST + (lane / 16) * 8);
 #pragma unroll
     for (int dd = 0; dd < DP / 16; ++dd) {
         unsigned b[4];
-        sk_ldmatrix_x4_trans(b, rows + ((lane % 8) + ((lane / 8) % 2) * 8) * ST + dd * 16 + (lane / 16) * 8);
+        sk_ldmatrix_x4_trans(b, sk_advance(lane_rows, dd * 16));
         const unsigned low[2] = {b[0], b[1]}, high[2] = {b[2], b[3]};
         sk_mma_16816(acc[2 * dd], a, low);
         sk_mma_16816(acc[2 * dd + 1], a, high);
@@ -271,6 +273,11 @@ SK_DEVICE void atomic_dq(input_t* buffer, const float (&ds)[1][NT][4], const inp
                 sk_pack_floats(ds[0][n][2 * h], ds[0][n][2 * h + 1]);
     __syncthreads();
     const int m = warp % 2;
+    // matrices of A: (queries 0-7 | 8-15) x (keys 0-7 | 8-15), stored keys x queries; of B: keys
+    // 0-7 | 8-15 of the 8 columns
+    const sk_smem lane_ds = sk_advance(sk_shared_address(buffer), ((lane / 16) * 8 + lane % 8) * BS + m * 16 +
+                                                                      ((lane / 8) % 2) * 8);
+    const sk_smem lane_keys = sk_advance(sk_shared_address(k_rows), ((lane % 8) + ((lane / 8) % 2) * 8) * ST);
     float acc[PER_WARP][4];
 #pragma unroll
     for (int t = 0; t < PER_WARP; ++t)
@@ -278,14 +285,14 @@ SK_DEVICE void atomic_dq(input_t* buffer, const float (&ds)[1][NT][4], const inp
         for (int r = 0; r < 4; ++r) acc[t][r] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < SK_MMA_BWD_TILE / 16; ++kk) {
-        unsigned a[4];  // matrices: (queries 0-7 | 8-15) x (keys 0-7 | 8-15), stored keys x queries
-        sk_ldmatrix_x4_trans(a, buffer + (kk * 16 + (lane / 16) * 8 + lane % 8) * BS + m * 16 + ((lane / 8) % 2) * 8);
+        unsigned a[4];
+        sk_ldmatrix_x4_trans(a, sk_advance(lane_ds, kk * 16 * BS));
 #pragma unroll
         for (int t = 0; t < PER_WARP; ++t) {
             const int j = warp / 2 + 2 * t;
             if (j < GROUPS) {
                 unsigned b[2];
-                sk_ldmatrix_x2_trans(b, k_rows + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * ST + 8 * j);
+                sk_ldmatrix_x2_trans(b, sk_advance(lane_keys, kk * 16 * ST + 8 * j));
                 sk_mma_16816(acc[t], a, b);
             }
         }

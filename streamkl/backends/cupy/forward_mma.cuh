@@ -34,14 +34,16 @@ struct SkBool {  // a compile-time flag for generic lambdas (no <type_traits> un
 template <int ROWS, int DP, int THREADS>
 SK_DEVICE void load_tile(input_t* dst, const input_t* src, long long row_stride, int valid, int dim, bool vector) {
     constexpr int CHUNKS = DP / 8;
+    const sk_smem dst_address = sk_shared_address(dst);
     for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS;
         const int col = (idx - r * CHUNKS) * 8;
-        input_t* to = dst + r * (DP + 8) + col;
         const bool inside = r < valid && col < dim;
         if (vector) {
-            sk_cp_async_16(to, inside ? src + (long long)r * row_stride + col : src, inside ? 16 : 0);
+            sk_cp_async_16(sk_advance(dst_address, r * (DP + 8) + col),
+                           inside ? src + (long long)r * row_stride + col : src, inside ? 16 : 0);
         } else {
+            input_t* to = dst + r * (DP + 8) + col;
             for (int e = 0; e < 8; ++e)
                 to[e] = (inside && col + e < dim) ? src[(long long)r * row_stride + col + e] : (input_t)0;
         }
@@ -53,10 +55,13 @@ template <int DP, int MT, int NT>
 SK_DEVICE void warp_scores_kk(float (&s)[MT][NT][4], const unsigned (&a)[MT][4], const input_t* k_rows, int kk,
                               int lane) {
     constexpr int ST = DP + 8;
+    // keys 16nn + lane % 8 (+8 for lanes 16-31), columns +8 for lanes 8-15, 24-31
+    const sk_smem lane_keys = sk_advance(sk_shared_address(k_rows), ((lane % 8) + (lane / 16) * 8) * ST +
+                                                                        kk * 16 + ((lane / 8) % 2) * 8);
 #pragma unroll
     for (int nn = 0; nn < NT / 2; ++nn) {
-        unsigned b[4];  // keys 16nn + lane % 8 (+8 for lanes 16-31), columns +8 for lanes 8-15, 24-31
-        sk_ldmatrix_x4(b, k_rows + (nn * 16 + (lane % 8) + (lane / 16) * 8) * ST + kk * 16 + ((lane / 8) % 2) * 8);
+        unsigned b[4];
+        sk_ldmatrix_x4(b, sk_advance(lane_keys, nn * 16 * ST));
         const unsigned low[2] = {b[0], b[1]}, high[2] = {b[2], b[3]};
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
@@ -80,12 +85,12 @@ SK_DEVICE void zero_scores(float (&s)[MT][NT][4]) {
 template <int DP, int MT, int NT>
 SK_DEVICE void warp_scores(float (&s)[MT][NT][4], const input_t* q_rows, const input_t* k_rows, int lane) {
     zero_scores(s);
+    const sk_smem lane_rows = sk_advance(sk_shared_address(q_rows), (lane % 16) * (DP + 8) + (lane / 16) * 8);
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
         unsigned a[MT][4];
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-            sk_ldmatrix_x4(a[m], q_rows + (16 * m + lane % 16) * (DP + 8) + kk * 16 + (lane / 16) * 8);
+        for (int m = 0; m < MT; ++m) sk_ldmatrix_x4(a[m], sk_advance(lane_rows, 16 * m * (DP + 8) + kk * 16));
         warp_scores_kk<DP, MT, NT>(s, a, k_rows, kk, lane);
     }
 }
@@ -120,11 +125,11 @@ SK_DEVICE void warp_scores_held(float (&s)[MT][NT][4], const unsigned (&a)[MT][D
 // A fragments of rows 16m..16m+15 of `q_rows`, every 16-column step kk, into registers
 template <int DP, int MT>
 SK_DEVICE void load_fragments(unsigned (&a)[MT][DP / 16][4], const input_t* q_rows, int lane) {
+    const sk_smem lane_rows = sk_advance(sk_shared_address(q_rows), (lane % 16) * (DP + 8) + (lane / 16) * 8);
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk)
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-            sk_ldmatrix_x4(a[m][kk], q_rows + (16 * m + lane % 16) * (DP + 8) + kk * 16 + (lane / 16) * 8);
+        for (int m = 0; m < MT; ++m) sk_ldmatrix_x4(a[m][kk], sk_advance(lane_rows, 16 * m * (DP + 8) + kk * 16));
 }
 
 // Flip the sign bit of every element of `words` 32-bit words (pairs of half elements) in shared memory

@@ -127,7 +127,7 @@ def forward_shape(dim1: int, dim2: int) -> MmaForward:
         return MmaForward(dim1, dim2, block_k=64, m_tiles=1, warps=8)
     if dim1 + dim2 <= 256:
         # two 16-row blocks per warp share every key fragment and q stays in registers: the fewest
-        # shared-memory reads per product (255 registers, 24 bytes spilled at 128 + 128)
+        # shared-memory reads per product (255 registers, 16 local bytes at 128 + 128, nvcc alike)
         return MmaForward(dim1, dim2, block_k=32, m_tiles=2, warps=4, q_regs=1)
     return MmaForward(dim1, dim2, block_k=32, m_tiles=1, warps=4)  # wider heads: half the shared memory
 

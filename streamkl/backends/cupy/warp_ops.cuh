@@ -28,11 +28,16 @@ SK_DEVICE unsigned short sk_half_of(unsigned word, int which) { return (unsigned
 // one deposit of a value per lane, then every lane reads the others' through `slot`
 SK_DEVICE sk_u64* sk_exchange() { return emu_warp_scratch(); }
 
+// a shared-memory operand of ldmatrix / cp.async: here the host address (on the GPU, 32 bits of
+// the shared window)
+typedef size_t sk_smem;
+SK_DEVICE sk_smem sk_shared_address(const void* pointer) { return (size_t)pointer; }
+
 template <int MATRICES, bool TRANS>
-SK_DEVICE void sk_ldmatrix(unsigned* regs, const void* row_address) {
+SK_DEVICE void sk_ldmatrix(unsigned* regs, sk_smem row_address) {
     sk_u64* slot = sk_exchange();
     const int lane = sk_lane();
-    slot[lane * EMU_SCRATCH_SLOTS] = (sk_u64)(size_t)row_address;
+    slot[lane * EMU_SCRATCH_SLOTS] = (sk_u64)row_address;
     emu_warp_sync();
     const int g = lane / 4, c = lane % 4;
     for (int m = 0; m < MATRICES; ++m) {
@@ -48,12 +53,12 @@ SK_DEVICE void sk_ldmatrix(unsigned* regs, const void* row_address) {
     emu_warp_sync();
 }
 
-SK_DEVICE void sk_ldmatrix_x4(unsigned (&regs)[4], const void* row_address) { sk_ldmatrix<4, false>(regs, row_address); }
-SK_DEVICE void sk_ldmatrix_x2(unsigned (&regs)[2], const void* row_address) { sk_ldmatrix<2, false>(regs, row_address); }
-SK_DEVICE void sk_ldmatrix_x4_trans(unsigned (&regs)[4], const void* row_address) {
+SK_DEVICE void sk_ldmatrix_x4(unsigned (&regs)[4], sk_smem row_address) { sk_ldmatrix<4, false>(regs, row_address); }
+SK_DEVICE void sk_ldmatrix_x2(unsigned (&regs)[2], sk_smem row_address) { sk_ldmatrix<2, false>(regs, row_address); }
+SK_DEVICE void sk_ldmatrix_x4_trans(unsigned (&regs)[4], sk_smem row_address) {
     sk_ldmatrix<4, true>(regs, row_address);
 }
-SK_DEVICE void sk_ldmatrix_x2_trans(unsigned (&regs)[2], const void* row_address) {
+SK_DEVICE void sk_ldmatrix_x2_trans(unsigned (&regs)[2], sk_smem row_address) {
     sk_ldmatrix<2, true>(regs, row_address);
 }
 
@@ -104,7 +109,9 @@ SK_DEVICE unsigned sk_pack_floats(float low, float high) {
 
 // 16 bytes global -> shared, the bytes past `src_bytes` (0 or 16) zero-filled, visible after the
 // wait that retires its group (the emulator defers the copy until then, as the hardware may)
-SK_DEVICE void sk_cp_async_16(void* dst, const void* src, int src_bytes) { emu_cp_async(dst, src, 16, src_bytes); }
+SK_DEVICE void sk_cp_async_16(sk_smem dst, const void* src, int src_bytes) {
+    emu_cp_async(reinterpret_cast<void*>(dst), src, 16, src_bytes);
+}
 SK_DEVICE void sk_cp_async_commit() { emu_cp_async_commit(); }
 template <int PENDING>
 SK_DEVICE void sk_cp_async_wait() {
@@ -131,41 +138,35 @@ SK_DEVICE float sk_shfl_xor(float value, int mask) {
 
 #else
 // ------------------------------------------------------------------------------------ PTX
-// The shared-window address of a generic pointer into shared memory: the compiler intrinsic where
-// its header is in (nvcc and NVRTC include it implicitly), so that constant offsets fold into the
-// ldmatrix / cp.async address operands (a fifth fewer instructions per key tile than an asm block).
-SK_DEVICE unsigned sk_shared_address(const void* pointer) {
-#if defined(__SM_20_INTRINSICS_H__)
-    return (unsigned)__cvta_generic_to_shared(pointer);
-#else
-    unsigned address;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
-    return address;
-#endif
-}
+// A shared-memory operand of ldmatrix / cp.async: its byte address in the shared window, 32 bits.
+// Callers convert a tile's pointer once and offset the address in 32-bit arithmetic: NVRTC (unlike
+// nvcc) gives shared pointers 64 bits, so addresses derived from pointers cost two registers each
+// and an add + cvt per use (docs/cupy.md, "Registers: NVRTC and nvcc").
+typedef unsigned sk_smem;
+SK_DEVICE sk_smem sk_shared_address(const void* pointer) { return (sk_smem)__cvta_generic_to_shared(pointer); }
 
-SK_DEVICE void sk_ldmatrix_x4(unsigned (&regs)[4], const void* row_address) {
+SK_DEVICE void sk_ldmatrix_x4(unsigned (&regs)[4], sk_smem row_address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
-                 : "r"(sk_shared_address(row_address)));
+                 : "r"(row_address));
 }
 
-SK_DEVICE void sk_ldmatrix_x2(unsigned (&regs)[2], const void* row_address) {
+SK_DEVICE void sk_ldmatrix_x2(unsigned (&regs)[2], sk_smem row_address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
                  : "=r"(regs[0]), "=r"(regs[1])
-                 : "r"(sk_shared_address(row_address)));
+                 : "r"(row_address));
 }
 
-SK_DEVICE void sk_ldmatrix_x4_trans(unsigned (&regs)[4], const void* row_address) {
+SK_DEVICE void sk_ldmatrix_x4_trans(unsigned (&regs)[4], sk_smem row_address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
-                 : "r"(sk_shared_address(row_address)));
+                 : "r"(row_address));
 }
 
-SK_DEVICE void sk_ldmatrix_x2_trans(unsigned (&regs)[2], const void* row_address) {
+SK_DEVICE void sk_ldmatrix_x2_trans(unsigned (&regs)[2], sk_smem row_address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                  : "=r"(regs[0]), "=r"(regs[1])
-                 : "r"(sk_shared_address(row_address)));
+                 : "r"(row_address));
 }
 
 #if STREAMKL_INPUT == 1
@@ -192,9 +193,8 @@ SK_DEVICE unsigned sk_pack_floats(float low, float high) {
     return packed;
 }
 
-SK_DEVICE void sk_cp_async_16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sk_shared_address(dst)), "l"(src),
-                 "r"(src_bytes));
+SK_DEVICE void sk_cp_async_16(sk_smem dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
 SK_DEVICE void sk_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -213,3 +213,8 @@ SK_DEVICE float sk_exp2(float x) {
     return result;
 }
 #endif
+
+// the shared address `elements` input_t elements past `address`
+SK_DEVICE sk_smem sk_advance(sk_smem address, int elements) {
+    return address + (sk_smem)(elements * (int)sizeof(input_t));
+}
