@@ -9,10 +9,13 @@
 # BASE: a directory holding the base `streamkl` package, e.g.
 #   mkdir -p _gpu/base && git archive main streamkl | tar -x -C _gpu/base
 #   BASE=_gpu/base bash tools/gpu_cupy_ab.sh
+# BUDGET (default 295): seconds for the whole script; a benchmark run that would start with less
+# than 20 s left is skipped (the last base run first).
 # Run from the repository root; results go under $OUT (default ./gpu_cupy_ab_out): summary.txt,
 # tests.log and one log per benchmark run.
 BASE=$(cd "${BASE:?set BASE to a directory holding the base streamkl package}" && pwd)
 [ -f "$BASE/streamkl/__init__.py" ] || { echo "no streamkl package under $BASE" >&2; exit 2; }
+BUDGET=${BUDGET:-295}
 source "$(dirname "$0")/gpu_steps.sh" cupy_ab
 TREE=$PWD
 CACHES=$(mktemp -d)
@@ -22,7 +25,7 @@ TAIL_LINES=6 run tests 100 python -m pytest -v -n 12 -p no:benchmark tests/test_
 bench() {  # bench SIDE DIM: one benchmark run with PYTHONPATH on that side's package
     local side=$1 dim=$2 root=$TREE
     [ "$side" = base ] && root=$BASE
-    local left=$((295 - SECONDS))
+    local left=$((BUDGET - SECONDS))
     if [ "$left" -lt 20 ]; then
         echo "${side}_d$dim: skipped, $left s left" | tee -a "$OUT/summary.txt"
         return
