@@ -469,8 +469,10 @@ def test_benchmark_smoke(tmp_path):
         assert "note" not in ours and "note" not in theirs, (ours, theirs)
         # (Megatron takes log(p + 1e-10): it differs from the exact KL where the indexer's p is tiny)
         assert abs(ours["loss"] - theirs["loss"]) <= 5e-3 * max(1.0, abs(theirs["loss"])), (ours, theirs)
+    local = rows["streamkl-torch-topklocal"]  # each row's most recent keys: a different selection
+    assert "note" not in local and math.isfinite(local["loss"]) and local["loss"] != rows["streamkl-torch-topk"]["loss"]
     assert "forward_ms" in rows["sdpa-cudnn"]
-    assert (tmp_path / "indexer.md").read_text().count("| streamkl-torch-") == 2
+    assert (tmp_path / "indexer.md").read_text().count("| streamkl-torch-") == 3
 
 
 @pytest.mark.skipif(bool(EXAMPLE_NEEDS), reason=f"the example needs {EXAMPLE_NEEDS}")
