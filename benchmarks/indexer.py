@@ -110,11 +110,11 @@ def provider_fn(provider: str, inputs, selections, args):
     dim = q.shape[-1]
     if provider.startswith("streamkl-"):
         _, backend, stage = provider.split("-")
-        chosen = selections.get(stage)
+        chosen = None if stage == "dense" else selections[stage]
         return lambda: streamkl.indexer_kl(q, k, qi, ki, w, causal=True, topk_indices=chosen, backend=backend)
     if provider.startswith("megatron-"):
         _, how, stage = provider.split("-")
-        chosen = selections.get(stage)
+        chosen = None if stage == "dense" else selections[stage]
         fn = megatron_indexer_loss
         if how == "compile":
             fn = _COMPILED.setdefault("megatron", torch.compile(megatron_indexer_loss, dynamic=False))
