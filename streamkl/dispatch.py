@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from streamkl._cache import LRUCache
 from streamkl.backends.base import Backend
 from streamkl.problem import Problem
 
@@ -52,8 +55,27 @@ def requested_backend(backend: str | None) -> str:
     return name
 
 
+_CHOICES = LRUCache(64)
+
+
 def choose_backend(problem: Problem, backend: str | None) -> Backend:
+    """The backend that serves `problem`, kept per problem, name asked for and the environment the
+    backends' checks read (`Backend.environment_key`), outside of torch.compile; a refusal raises
+    and is not kept."""
     name = requested_backend(backend)
+    if torch.compiler.is_compiling():  # (traced once; dynamo cannot enter the cache's lock)
+        return _choose(problem, name)
+    names = PRIORITY if name == "auto" else (name,)
+    key = (name, problem.key, tuple(_load(n).environment_key() for n in names))
+    hit = _CHOICES.get(key)
+    if hit is not None:
+        return hit[0]
+    chosen = _choose(problem, name)
+    _CHOICES.put(key, (chosen, problem))  # (the problem keeps the tables and patterns its key names alive)
+    return chosen
+
+
+def _choose(problem: Problem, name: str) -> Backend:
     if name != "auto":
         chosen = _load(name)
         reasons = chosen.not_supported_reasons(problem)

@@ -475,3 +475,19 @@ def test_validated_calls_are_remembered_by_metadata_only():
     with pytest.raises(ValueError, match="cu_seqlens"):
         build_problem(*packed, cu_seqlens=cu)
     assert build_problem(*x, window=[4, 4]) is not build_problem(*x, window=[4, 4])  # a list: each time
+
+
+def test_backend_choice_follows_the_environment_between_calls(monkeypatch):
+    """The front end keeps its backend choice per problem, keyed by the environment the backends'
+    checks read: switching TRITON_INTERPRET between two identical calls changes what serves them."""
+    args = dense()
+    inputs = [args[n] for n in NAMES]
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve"):
+        streamkl.kl(*inputs, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    served = streamkl.kl(*inputs, backend="triton")  # the interpreter takes CPU tensors
+    reference = streamkl.kl(*inputs, backend="torch")
+    torch.testing.assert_close(served, reference, rtol=1e-4, atol=1e-5)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve"):
+        streamkl.kl(*inputs, backend="triton")

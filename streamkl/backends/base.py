@@ -36,6 +36,11 @@ class Backend:
         """Why this backend cannot run at all on this machine (missing package, no GPU...)."""
         return []
 
+    def environment_key(self) -> tuple:
+        """What `not_supported_reasons` reads besides the problem (the environment variables it
+        checks): the front end keeps its backend choice per problem and these values."""
+        return ()
+
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         """Why this backend cannot serve this problem; empty when it can."""
         return self.environment_reasons()

@@ -46,6 +46,9 @@ class CupyBackend(Backend):
             return emulate.reasons()
         return list(_gpu_reasons())
 
+    def environment_key(self) -> tuple:
+        return emulate.environment_key()
+
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         reasons = self.environment_reasons()
         if reasons:

@@ -28,6 +28,14 @@ def emulating() -> bool:
     return os.environ.get(ENV_VAR) == "1"
 
 
+def environment_key() -> tuple:
+    """The environment `CupyBackend.not_supported_reasons` reads: this switch, and under it the
+    compiler it finds."""
+    if not emulating():
+        return (None,)
+    return ("1", os.environ.get("CXX"), os.environ.get("PATH"))
+
+
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -72,14 +73,22 @@ class TritonBackend(Backend):
             return [f"the GPU has compute capability {major}.{minor}; the Triton kernels need 8.0 (Ampere) or newer"]
         return []
 
+    def environment_key(self) -> tuple:
+        return (os.environ.get("TRITON_INTERPRET"),)
+
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         reasons = self.environment_reasons()
         if reasons:
             return reasons
-        from streamkl.backends.triton.common import MAX_HEAD_DIM, interpreting
+        from streamkl.backends.triton.common import MAX_HEAD_DIM, capability, interpreting
 
         if problem.device.type != "cuda" and not interpreting():
             reasons.append(f"inputs are on {problem.device}, not on a CUDA device")
+        elif problem.device.type == "cuda" and not interpreting() and problem.device.index is not None:
+            major, minor = capability(problem.device.index)  # (the current GPU's was checked above)
+            if major < 8:
+                reasons.append(f"the inputs' GPU has compute capability {major}.{minor}; the Triton kernels need "
+                               "8.0 (Ampere) or newer")
         for side, dim in ((1, problem.dim1), (2, problem.dim2)):
             if dim > MAX_HEAD_DIM:
                 reasons.append(f"head dim of side {side} is {dim}; the Triton kernels take at most {MAX_HEAD_DIM}")
