@@ -21,13 +21,12 @@ from helpers import check_against_reference, make_inputs, rel_l2
 
 import streamkl
 from streamkl import BlockMask
-from streamkl.backends.cupy import CupyBackend, emulate, launch
+from streamkl.backends.cupy import CupyBackend, emulate
 from streamkl.backends.cupy.launch import (
     SOURCE,
     MmaBackward,
     MmaForward,
     backward_variants,
-    blocks_per_sm,
     forward_shape,
     forward_tiles,
     forward_variant,
@@ -63,9 +62,6 @@ MMA_BACKWARD = [
     MmaBackward("dq", 256, 256, 1, 1, 0), MmaBackward("dk", 256, 256, 1, 0, 1), MmaBackward("dk", 16, 48, 2, 1, 1),
     MmaBackward("dk", 128, 128, 2, 0, 1, 1), MmaBackward("dk", 64, 64, 2, 1, 1, 1),
     MmaBackward("dk", 16, 48, 2, 1, 1, 1), MmaBackward("dk", 128, 80, 2, 1, 0, 1),
-    # half-tile ring slots (dk_ring_rows): one side, plain and fused, and the unequal fused one
-    MmaBackward("dk", 128, 128, 2, 0, 1, 0, 32), MmaBackward("dk", 128, 128, 2, 0, 1, 1, 32),
-    MmaBackward("dk", 64, 64, 2, 0, 1, 1, 32), MmaBackward("dk", 128, 80, 2, 1, 0, 1, 32),
 ]
 
 
@@ -128,24 +124,21 @@ def test_forward_variant_follows_the_problem(dtype, dims, expected):
     "dtype,dims,heads_k,needs,deterministic,expected",
     [
         (torch.float32, (128, 128), (2, 2), (1, 1, 1, 1), False, None),
-        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), False, ["dk<128, 128, 2, 0, 1, 1, 32>"]),
-        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), True,
-         ["dq<128, 128, 2, 0, 1>", "dk<128, 128, 2, 0, 1, 0, 32>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), False, ["dk<128, 128, 2, 0, 1, 1>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (0, 0, 1, 1), True, ["dq<128, 128, 2, 0, 1>", "dk<128, 128, 2, 0, 1, 0>"]),
         (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), False,
-         ["dk<128, 128, 2, 1, 0, 1, 32>", "dk<128, 128, 2, 0, 1, 1, 32>"]),
-        (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), True,
-         ["dq<128, 128, 2, 1, 1>", "dk<128, 128, 2, 1, 1, 0, 64>"]),
-        (torch.bfloat16, (64, 64), (2, 2), (0, 0, 1, 1), False, ["dk<64, 64, 2, 0, 1, 1, 32>"]),
-        (torch.bfloat16, (64, 64), (2, 2), (1, 1, 1, 1), False, ["dk<64, 64, 2, 1, 1, 1, 64>"]),
+         ["dk<128, 128, 2, 1, 0, 1>", "dk<128, 128, 2, 0, 1, 1>"]),
+        (torch.bfloat16, (128, 128), (2, 2), (1, 1, 1, 1), True, ["dq<128, 128, 2, 1, 1>", "dk<128, 128, 2, 1, 1, 0>"]),
+        (torch.bfloat16, (64, 64), (2, 2), (1, 1, 1, 1), False, ["dk<64, 64, 2, 1, 1, 1>"]),
         (torch.float16, (64, 40), (2, 1), (1, 1, 1, 1), True,
-         ["dq<64, 48, 2, 1, 1>", "dk<64, 48, 2, 1, 0, 0, 64>", "dk<64, 48, 2, 0, 1, 0, 64>"]),
-        (torch.float16, (64, 40), (2, 1), (1, 0, 1, 1), False, ["dq<64, 48, 2, 1, 0>", "dk<64, 48, 2, 0, 1, 1, 64>"]),
+         ["dq<64, 48, 2, 1, 1>", "dk<64, 48, 2, 1, 0, 0>", "dk<64, 48, 2, 0, 1, 0>"]),
+        (torch.float16, (64, 40), (2, 1), (1, 0, 1, 1), False, ["dq<64, 48, 2, 1, 0>", "dk<64, 48, 2, 0, 1, 1>"]),
         (torch.float16, (200, 130), (2, 2), (1, 0, 1, 1), False,
-         ["dq<208, 144, 1, 1, 0>", "dq<208, 144, 1, 0, 1>", "dk<208, 144, 1, 0, 1, 0, 64>"]),
-        (torch.bfloat16, (32, 32), (2, 2), (0, 1, 0, 0), False, ["dk<32, 32, 2, 1, 0, 0, 64>"]),
+         ["dq<208, 144, 1, 1, 0>", "dq<208, 144, 1, 0, 1>", "dk<208, 144, 1, 0, 1, 0>"]),
+        (torch.bfloat16, (32, 32), (2, 2), (0, 1, 0, 0), False, ["dk<32, 32, 2, 1, 0, 0>"]),
     ],
-    ids=["fp32-fma", "bf16-student", "bf16-student-det", "bf16-all4", "bf16-all4-det", "bf16-64-student",
-         "bf16-64-all4", "fp16-gqa-differs-det", "fp16-gqa-differs", "fp16-wide", "bf16-k1-only"],
+    ids=["fp32-fma", "bf16-student", "bf16-student-det", "bf16-all4", "bf16-all4-det", "bf16-64-all4",
+         "fp16-gqa-differs-det", "fp16-gqa-differs", "fp16-wide", "bf16-k1-only"],
 )
 def test_backward_variants_follow_the_problem(dtype, dims, heads_k, needs, deterministic, expected):
     from streamkl.problem import build_problem
@@ -166,21 +159,6 @@ def test_tensor_core_backward_fits_shared_memory():
                 assert need <= 163 * 1024  # A100's opt-in limit
                 if stages == 2:  # two blocks per SM on Hopper
                     assert 2 * need <= 227 * 1024
-
-
-@pytest.mark.parametrize("dim", [64, 128])
-def test_student_dk_fits_three_blocks_per_hopper_sm(dim):
-    """The student backward's dk kernel (side 2 only, dq by atomics), as backward_variants launches
-    it: its shared memory lets three 4-warp blocks share an sm_90 SM (228 KiB, 1 KiB reserved per
-    block, 227 KiB at most per block), so that registers (<= 168 a thread, tests/test_cupy_registers.py),
-    not shared memory, bound its occupancy."""
-    q = torch.randn(1, 70, 2, dim).to(torch.bfloat16)
-    (variant,) = backward_variants(build_problem(q, q, q, q), (False, False, True, True))
-    assert (variant.kernel, variant.side1, variant.side2, variant.atomic_dq) == ("dk", 0, 1, 1)
-    need = variant.shared_bytes
-    assert need <= 227 * 1024
-    assert 3 * (need + 1024) <= 228 * 1024, (variant.name, need)
-    assert blocks_per_sm(need) >= 3
 
 
 def test_tensor_core_forward_fits_shared_memory():
@@ -376,38 +354,6 @@ def test_block_masks_varlen_half():
     dtype = torch.float32 if EMULATED else torch.bfloat16
     inputs = make_inputs((sum(len_q) + 3,), (sum(len_q) + 3,), 2, (1, 2), (64, 32), dtype, DEVICE)
     check_against_reference(inputs, "cupy", cu_seqlens=cu, mask1=mask, mask2=mask, causal=True)
-
-
-@needs_backend
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
-@pytest.mark.parametrize("requires_grad", [(False, False, True, True), (True, True, True, True)],
-                         ids=["student", "all-four"])
-def test_dk_half_tile_ring_matches_whole_tiles(requires_grad, deterministic, monkeypatch):
-    """The dk kernel on half-tile ring slots (launch.dk_ring_rows; chosen at D = 64 and 128, here
-    forced on small head dims, every dk launch): the same operations in the same order as on whole
-    tiles, so the same gradients bit for bit, and the reference's. Query tiles past the end of a
-    sequence by half a tile (90 rows: rows 96-127 are skipped), causal and windowed tiles, a GQA
-    group sharing the ring, two sides in one launch."""
-    case = Case(2, 90, 100, 4, (2, 2), (32, 48), causal=True, window=(70, -1))
-    inputs = case.inputs(torch.bfloat16, requires_grad)
-    options = dict(causal=True, window=(70, -1), deterministic=deterministic)
-    grads = []
-    for rows in (MmaBackward.tile, MmaBackward.sub):
-        monkeypatch.setattr(launch, "dk_ring_rows", lambda *args, rows=rows: rows)
-        problem = build_problem(*inputs, **options)
-        ring = {v.ring_rows for v in backward_variants(problem, requires_grad) if v.kernel == "dk"}
-        assert ring == {rows}
-        for t in inputs:
-            t.grad = None
-        out = streamkl.kl(*inputs, reduction="none", backend="cupy", **options)
-        out.sum().backward()
-        grads.append([None if t.grad is None else t.grad.clone() for t in inputs])
-    for whole, half in zip(*grads):
-        assert (whole is None) == (half is None)
-        if whole is not None:
-            assert torch.equal(whole, half)
-    check_against_reference([t.detach().requires_grad_(r) for t, r in zip(inputs, requires_grad)], "cupy",
-                            **options)
 
 
 # ---------------------------------------------------------------------------------- contract details

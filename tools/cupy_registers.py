@@ -40,7 +40,6 @@ from streamkl.backends.cupy.launch import (  # noqa: E402
     MmaBackward,
     MmaForward,
     backward_variants,
-    blocks_per_sm,
     forward_shape,
     mma_options,
     source_text,
@@ -225,21 +224,6 @@ def _mangled(name: str) -> str:
     return f"_Z{len(base)}{base}I{values}Ev8KLParams"
 
 
-REGISTERS_PER_SM = 65536  # sm_80 and sm_90 alike
-WARP_REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
-
-
-def register_blocks_per_sm(registers: int, threads: int) -> int:
-    """Blocks of `threads` threads at `registers` a thread that fit one SM's register file."""
-    per_warp = -(-registers * 32 // WARP_REGISTER_UNIT) * WARP_REGISTER_UNIT
-    return REGISTERS_PER_SM // per_warp // (threads // 32)
-
-
-def hopper_blocks(variant: MmaForward | MmaBackward, usage: Usage) -> int:
-    """Resident blocks per sm_90 SM: the lesser of what its registers and its shared memory allow."""
-    return min(register_blocks_per_sm(usage.registers, variant.threads), blocks_per_sm(variant.shared_bytes))
-
-
 def _cell(usage: Usage) -> str:
     spill = usage.spill_stores + usage.spill_loads
     return f"{usage.registers}" + (f" (spill {usage.spill_stores}+{usage.spill_loads} B)" if spill else "")
@@ -265,15 +249,12 @@ def main(argv=None) -> int:
         for dtype in args.dtype:
             code = DTYPES[dtype][0]
             results = measure(code, arch, chosen, args.compiler, tuple(args.nvrtc_option))
-            print(f"\nsm_{arch} {dtype}: registers (spilled bytes stored+loaded), dynamic shared memory, "
-                  f"blocks per SM on sm_90 ({args.compiler[0]}'s registers, 228 KiB of shared memory)")
-            header = f"{'kernel':<48}" + "".join(f"{compiler:>24}" for compiler in args.compiler)
-            print(header + f"{'smem':>8}{'blocks':>8}")
+            print(f"\nsm_{arch} {dtype}: registers (spilled bytes stored+loaded), dynamic shared memory")
+            header = f"{'kernel':<44}" + "".join(f"{compiler:>24}" for compiler in args.compiler) + f"{'smem':>8}"
+            print(header)
             for variant in chosen:
                 cells = [_cell(results[compiler][variant.name]) for compiler in args.compiler]
-                blocks = hopper_blocks(variant, results[args.compiler[0]][variant.name])
-                print(f"{variant.name:<48}" + "".join(f"{cell:>24}" for cell in cells)
-                      + f"{variant.shared_bytes:>8}{blocks:>8}")
+                print(f"{variant.name:<44}" + "".join(f"{cell:>24}" for cell in cells) + f"{variant.shared_bytes:>8}")
     return 0
 
 

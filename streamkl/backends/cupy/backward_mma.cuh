@@ -16,7 +16,7 @@
 //   dq by float32 atomics (dS^T through shared memory, FlashAttention-2's structure), so each
 //   score pair is recomputed once instead of twice.
 // The tiles the other operand streams (key tiles for dq, query tiles and their row statistics for
-// dk) pass through a STAGES-deep cp.async ring, as in the forward; dk's ring may hold half tiles.
+// dk) pass through a STAGES-deep cp.async ring, as in the forward.
 //
 // Half-precision dS: the upstream gradients g are multiplied by one power of two (from max |g|,
 // `gradient_factor`) so that dS keeps its significant bits whatever the reduction's scale (a mean
@@ -310,24 +310,18 @@ SK_DEVICE void atomic_dq(input_t* buffer, const float (&ds)[1][NT][4], const inp
 // grid (key tiles, sequence * key head of the driving side), 128 threads. DK1, DK2: which of dk1,
 // dk2 this launch computes (both only when the two sides group their query heads alike).
 // DQ_ATOMIC: it also adds dq of those sides, by atomics (the non-deterministic mode).
-// RING_ROWS: query rows per slot of the cp.async ring, a whole tile (64) or half of one (32); a
-// query tile takes TILE / RING_ROWS ring steps. Half-tile slots halve the ring's shared memory, so
-// more blocks fit an SM (launch.dk_ring_rows chooses).
-template <int D1P, int D2P, int STAGES, int DK1, int DK2, int DQ_ATOMIC, int RING_ROWS>
+template <int D1P, int D2P, int STAGES, int DK1, int DK2, int DQ_ATOMIC>
 __global__ void __launch_bounds__(128) kl_backward_dk_mma(const KLParams p) {
     constexpr int THREADS = 128, TILE = SK_MMA_BWD_TILE, SUB = SK_MMA_BWD_SUB, NT = SUB / 8;
     constexpr int ST1 = D1P + 8, ST2 = D2P + 8;
-    constexpr int PIECES = TILE / RING_ROWS;  // ring steps per query tile
-    constexpr int STATS = 4 * RING_ROWS * (int)(sizeof(float) / sizeof(input_t));  // lse1, lse2, E, g per row
-    constexpr int STAGE = RING_ROWS * (ST1 + ST2) + STATS;
+    constexpr int STATS = 4 * TILE * (int)(sizeof(float) / sizeof(input_t));  // lse1, lse2, E, g per query row
+    constexpr int STAGE = TILE * (ST1 + ST2) + STATS;
     static_assert(D1P % 16 == 0 && D2P % 16 == 0 && STAGES >= 1 && (DK1 || DK2), "variant");
-    static_assert(TILE % RING_ROWS == 0 && RING_ROWS % SUB == 0, "ring slots of whole score steps");
 
     SK_DYNAMIC_SMEM(dk_smem);
     input_t* k1s = reinterpret_cast<input_t*>(dk_smem);  // [TILE][ST1]
     input_t* k2s = k1s + TILE * ST1;                      // [TILE][ST2]
-    // STAGES x ([RING_ROWS][ST1] q1, [RING_ROWS][ST2] q2, float [4][RING_ROWS] stats)
-    input_t* ring = k2s + TILE * ST2;
+    input_t* ring = k2s + TILE * ST2;  // STAGES x ([TILE][ST1] q1, [TILE][ST2] q2, float [4][TILE] stats)
     input_t* ds_buffer = ring + STAGES * STAGE;  // DQ_ATOMIC: [TILE keys][SUB + 8] dS^T
 
     const int pair = block_pair();
@@ -370,41 +364,37 @@ __global__ void __launch_bounds__(128) kl_backward_dk_mma(const KLParams p) {
         const signed char* q_partial = visits.partial;
         const SideMasks masks = side_masks(p, seq, head);
 
-        const int steps = count * PIECES;  // ring steps: RING_ROWS query rows each
-        auto load_queries = [&](int step) {
-            const int row0 = q_index[step / PIECES] * TILE + (step % PIECES) * RING_ROWS;
-            if constexpr (PIECES > 1)
-                if (row0 >= span.len_q) return;  // a half tile past the end: never read (its step is skipped)
-            input_t* q1s = ring + (step % STAGES) * STAGE;
-            load_tile<RING_ROWS, D1P, THREADS>(q1s, q1_head + (long long)row0 * p.q1_n, p.q1_n, span.len_q - row0,
-                                               p.dim1, vector);
-            load_tile<RING_ROWS, D2P, THREADS>(q1s + RING_ROWS * ST1, q2_head + (long long)row0 * p.q2_n, p.q2_n,
-                                               span.len_q - row0, p.dim2, vector);
-            // plain stores: visible to the block after the barrier that opens this step
-            float* stats = reinterpret_cast<float*>(q1s + RING_ROWS * (ST1 + ST2));
-            if (threadIdx.x < RING_ROWS) {
+        auto load_queries = [&](int visit) {
+            const int row0 = q_index[visit] * TILE;
+            input_t* q1s = ring + (visit % STAGES) * STAGE;
+            load_tile<TILE, D1P, THREADS>(q1s, q1_head + (long long)row0 * p.q1_n, p.q1_n, span.len_q - row0,
+                                          p.dim1, vector);
+            load_tile<TILE, D2P, THREADS>(q1s + TILE * ST1, q2_head + (long long)row0 * p.q2_n, p.q2_n,
+                                          span.len_q - row0, p.dim2, vector);
+            // plain stores: visible to the block after the barrier that opens this visit
+            float* stats = reinterpret_cast<float*>(q1s + TILE * (ST1 + ST2));
+            if (threadIdx.x < TILE) {
                 const int r = threadIdx.x;
                 const RowStats row = mma_row_stats(p, seq, head, span.q_start + row0 + r, row0 + r < span.len_q,
                                                    factor);
                 stats[r] = row.lse1;
-                stats[RING_ROWS + r] = row.lse2;
-                stats[2 * RING_ROWS + r] = row.expect;
-                stats[3 * RING_ROWS + r] = row.g;
+                stats[TILE + r] = row.lse2;
+                stats[2 * TILE + r] = row.expect;
+                stats[3 * TILE + r] = row.g;
             }
         };
-        sk_cp_async_commit();  // the key tiles: their own group, retired by the first step's wait
-        ring_prologue<STAGES>(steps, load_queries);
+        sk_cp_async_commit();  // the key tiles: their own group, retired by the first visit's wait
+        ring_prologue<STAGES>(count, load_queries);
 
-        for (int step = 0; step < steps; ++step) {
-            ring_step<STAGES>(step, steps, load_queries);
-            const int visit = step / PIECES;
-            const input_t* q1s = ring + (step % STAGES) * STAGE;
-            const input_t* q2s = q1s + RING_ROWS * ST1;
-            const float* stats = reinterpret_cast<const float*>(q2s + RING_ROWS * ST2);
+        for (int visit = 0; visit < count; ++visit) {
+            ring_step<STAGES>(visit, count, load_queries);
+            const input_t* q1s = ring + (visit % STAGES) * STAGE;
+            const input_t* q2s = q1s + TILE * ST1;
+            const float* stats = reinterpret_cast<const float*>(q2s + TILE * ST2);
             const bool partial = q_partial[visit] != 0;
-            const int row0 = q_index[visit] * TILE + (step % PIECES) * RING_ROWS;  // the slot's first query row
+            const int row0 = q_index[visit] * TILE;
 #pragma unroll 1
-            for (int sub = 0; sub < RING_ROWS / SUB; ++sub) {
+            for (int sub = 0; sub < TILE / SUB; ++sub) {
                 if (row0 + sub * SUB >= span.len_q) break;  // uniform over the block
                 float s1[1][NT][4], s2[1][NT][4];  // keys (this warp's 16) x queries
                 warp_scores<D1P, 1, NT>(s1, k1s + warp * 16 * ST1, q1s + sub * SUB * ST1, lane);
@@ -413,16 +403,16 @@ __global__ void __launch_bounds__(128) kl_backward_dk_mma(const KLParams p) {
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
-                        const int col = sub * SUB + 8 * n + 2 * c + r % 2;  // query row within the slot
+                        const int col = sub * SUB + 8 * n + 2 * c + r % 2;  // query row within the tile
                         bool allowed1 = true, allowed2 = true;
                         if (partial)
                             element_allowed(p, masks, row0 + col, warp_key0 + 8 * (r / 2), span.len_q, span.len_k,
                                             allowed1, allowed2);
                         RowStats row;
                         row.lse1 = stats[col];
-                        row.lse2 = stats[RING_ROWS + col];
-                        row.expect = stats[2 * RING_ROWS + col];
-                        row.g = stats[3 * RING_ROWS + col];
+                        row.lse2 = stats[TILE + col];
+                        row.expect = stats[2 * TILE + col];
+                        row.g = stats[3 * TILE + col];
                         mma_dscores(s1[0][n][r], s2[0][n][r], allowed1, allowed2, row, p.scale1, p.scale2);
                     }
 #pragma unroll

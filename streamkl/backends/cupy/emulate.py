@@ -54,7 +54,7 @@ def _library(input_code: int, variant: tuple[int, ...] | None = None,
              backward: tuple[int, ...] | None = None) -> ctypes.CDLL:
     """The kernels for one input dtype; with `variant`, also the tensor-core forward
     kl_forward_mma<variant> (launched as kernel 3); with `backward` (D1P, D2P, STAGES), the
-    tensor-core backward kernels of those head dims (kernels 4-18)."""
+    tensor-core backward kernels of those head dims (kernels 4-9)."""
     digest = hashlib.sha256()
     for name in _SOURCES:
         digest.update((_HERE / name).read_bytes())
@@ -100,7 +100,7 @@ def launch(
 ) -> None:
     """Run one launch to completion on CPU threads; `params` is the one-element KLParams record,
     `variant` the template arguments of kernel 3 (the tensor-core forward), `backward` the head
-    dims and stages of kernels 4-18 (the tensor-core backward)."""
+    dims and stages of kernels 4-9 (the tensor-core backward)."""
     library = _library(code, variant, backward)
     if library.emu_params_size() != params.dtype.itemsize:
         raise RuntimeError("KLParams layout differs between kernels.cu and launch.py")

@@ -153,66 +153,30 @@ class MmaBackward:
     side1: int
     side2: int
     atomic_dq: int = 0
-    ring_rows: int = 64  # dk: query rows per slot of its ring, a whole tile or half (dk_ring_rows)
 
     threads = 128
     tile = 64  # queries and keys of the schedule's tiles
     sub = 32  # the other side's rows per score step (SK_MMA_BWD_SUB)
 
-    def __post_init__(self):
-        if self.ring_rows not in (self.tile, self.sub) or (self.kernel == "dq" and self.ring_rows != self.tile):
-            raise ValueError(f"MmaBackward: ring_rows {self.ring_rows} for the {self.kernel} kernel")
-
     @property
     def name(self) -> str:
         args = [self.dim1, self.dim2, self.stages, self.side1, self.side2]
         if self.kernel == "dk":
-            args += [self.atomic_dq, self.ring_rows]
+            args.append(self.atomic_dq)
         return f"kl_backward_{self.kernel}_mma<{', '.join(map(str, args))}>"
 
     @property
     def shared_bytes(self) -> int:
-        row_bytes = 2 * (self.dim1 + 8 + self.dim2 + 8)  # both sides' rows, padded
-        tile_bytes = self.tile * row_bytes
+        tile_bytes = self.tile * 2 * (self.dim1 + 8 + self.dim2 + 8)  # both sides' rows, padded
         if self.kernel == "dq":  # q1, q2, then a ring of k1, k2 tiles
             return tile_bytes * (1 + self.stages)
         ds_buffer = self.atomic_dq * self.tile * 2 * (self.sub + 8)
-        slot_bytes = self.ring_rows * (row_bytes + 4 * 4)  # q1, q2 rows and their 4 float statistics
-        return tile_bytes + self.stages * slot_bytes + ds_buffer  # k1, k2; the ring; the dS^T buffer
+        return tile_bytes + self.stages * (tile_bytes + 4 * 4 * self.tile) + ds_buffer  # k; ring of q, stats
 
     @property
     def emulator_index(self) -> int:
-        """Kernel number in the emulator library (emulate.cpp): 4-6 dq, 7-9 dk, 10-12 dk with dq,
-        13-18 the two dk kinds on half-tile ring slots."""
-        half = 6 * (self.ring_rows != self.tile)
-        return 4 + 3 * (self.kernel == "dk") + 3 * self.atomic_dq + self.side1 + 2 * self.side2 - 1 + half
-
-
-# Hopper (sm_90) shared memory: 228 KiB per SM, of which the system reserves 1 KiB per resident block
-SM90_SHARED_PER_SM = 228 * 1024
-SHARED_RESERVED_PER_BLOCK = 1024
-
-
-def blocks_per_sm(shared_bytes: int, per_sm: int = SM90_SHARED_PER_SM) -> int:
-    """Blocks of `shared_bytes` dynamic shared memory that fit one SM's shared memory at once."""
-    return per_sm // (shared_bytes + SHARED_RESERVED_PER_BLOCK)
-
-
-def dk_ring_rows(dim1: int, dim2: int, stages: int, side1: int, side2: int, atomic_dq: int) -> int:
-    """Query rows per slot of the dk kernel's cp.async ring: a whole 64-row query tile, or half of one
-    (two slots per tile, twice the barriers, half the ring's shared memory).
-
-    Half tiles for a one-side launch with two stages whose whole tiles keep shared memory below four
-    blocks per Hopper SM. Such a kernel takes 124-168 registers (tests/test_cupy_registers.py), so
-    the register file holds three of its 4-warp blocks, four up to 128 registers: with whole tiles
-    shared memory would be the bound (D = 128: 109 KiB, two blocks; D = 64 fused: 61 KiB, three),
-    with half tiles registers are (D = 128: 74 KiB, three blocks). Two sides in one launch take 160
-    registers or more (three blocks at best, which whole tiles already give up to 64 + 64), and one
-    stage (past 256 combined) keeps whole tiles."""
-    if stages != 2 or side1 + side2 != 1:
-        return MmaBackward.tile
-    whole = MmaBackward("dk", dim1, dim2, stages, side1, side2, atomic_dq)
-    return MmaBackward.sub if blocks_per_sm(whole.shared_bytes) < 4 else MmaBackward.tile
+        """Kernel number in the emulator library (emulate.cpp): 4-6 dq, 7-9 dk, 10-12 dk with dq."""
+        return 4 + 3 * (self.kernel == "dk") + 3 * self.atomic_dq + self.side1 + 2 * self.side2 - 1
 
 
 def backward_shape(problem: Problem) -> tuple[int, int, int]:
@@ -248,10 +212,8 @@ def backward_variants(problem: Problem, needs) -> list[MmaBackward] | None:
         ("dk", fused, 1, dim1 + dim2 <= 128 and same_groups),
     ):
         groups = [sides] if len(sides) == 2 and pair else [[side] for side in sides]
-        for group in groups:
-            side1, side2 = int(1 in group), int(2 in group)
-            ring = dk_ring_rows(dim1, dim2, stages, side1, side2, atomic) if kernel == "dk" else MmaBackward.tile
-            launches.append(MmaBackward(kernel, dim1, dim2, stages, side1, side2, atomic, ring))
+        launches += [MmaBackward(kernel, dim1, dim2, stages, int(1 in group), int(2 in group), atomic)
+                     for group in groups]
     return launches
 
 
