@@ -3,6 +3,7 @@
     python tools/profile_call.py                            # N=16K, D=128, causal, student grads, H200 shapes
     python tools/profile_call.py --n 1024 --sparsity 0.9 --grads all
     python tools/profile_call.py --n 1024 --cprofile        # the host path's Python functions instead
+                                                            # (the forward, and the backward on its thread)
 
 Prints the profiler's table of device kernels (name, calls, device time per call) for `--iters`
 calls after a warm-up, and the call's host time (wall time of the Python call on an idle GPU).
@@ -11,11 +12,13 @@ calls after a warm-up, and the call's host time (wall time of the Python call on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import math
 import pstats
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +57,33 @@ def make_call(args):
     return call, device
 
 
+@contextlib.contextmanager
+def _profiled_backward(profiler: cProfile.Profile):
+    """Within the block, `profiler` records every run of streamkl's autograd backward on a thread
+    other than this one (cProfile records only the thread that enables it, so it is enabled inside
+    the backward itself; on this thread the caller's profiler already sees it, and a second one
+    would displace it)."""
+    from streamkl import autograd
+
+    original = autograd._KL.backward
+    calling = threading.get_ident()
+
+    def backward(ctx, *grads):
+        if threading.get_ident() == calling:
+            return original(ctx, *grads)
+        profiler.enable()
+        try:
+            return original(ctx, *grads)
+        finally:
+            profiler.disable()
+
+    autograd._KL.backward = staticmethod(backward)
+    try:
+        yield
+    finally:
+        autograd._KL.backward = staticmethod(original)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -84,13 +114,19 @@ def main(argv=None) -> int:
     sync()
     print(f"host time per call: {statistics.median(spans):.0f} us (median of {len(spans)}, idle GPU before each)")
     if args.cprofile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(args.iters):
-            call()
-        profiler.disable()
-        sync()
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+        calling, backward = cProfile.Profile(), cProfile.Profile()
+        with _profiled_backward(backward):
+            calling.enable()
+            for _ in range(args.iters):
+                call()
+            calling.disable()
+            sync()
+        print("== the calling thread (the forward; the backward too for CPU tensors)")
+        pstats.Stats(calling).sort_stats("cumulative").print_stats(args.top)
+        if GRADS[args.grads] and device == "cuda":
+            print("== inside the autograd node's backward, on autograd's device thread (which a profile of "
+                  "the calling thread does not see)")
+            pstats.Stats(backward).sort_stats("cumulative").print_stats(args.top)
         return 0
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
