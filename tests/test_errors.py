@@ -491,3 +491,15 @@ def test_backend_choice_follows_the_environment_between_calls(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="backend 'triton' cannot serve"):
         streamkl.kl(*inputs, backend="triton")
+
+
+def test_triton_refuses_a_gpu_older_than_ampere(monkeypatch):
+    """The current GPU's and the inputs' GPU's capability go through one check."""
+    from streamkl.backends import triton as triton_backend
+    from streamkl.backends.triton import common
+
+    monkeypatch.setattr(common, "capability", lambda index: (7, 5))
+    reason = triton_backend._capability_reason(1, "the inputs' GPU")
+    assert reason == "the inputs' GPU has compute capability 7.5; the Triton kernels need 8.0 (Ampere) or newer"
+    monkeypatch.setattr(common, "capability", lambda index: (8, 0))
+    assert triton_backend._capability_reason(1, "the GPU") is None

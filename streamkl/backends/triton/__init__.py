@@ -62,16 +62,14 @@ class TritonBackend(Backend):
         reason = _import_reason()
         if reason is not None:
             return [reason]
-        from streamkl.backends.triton.common import capability, interpreting
+        from streamkl.backends.triton.common import interpreting
 
         if interpreting():
             return []
         if not torch.cuda.is_available():
             return ["no CUDA GPU is visible (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"]
-        major, minor = capability(torch.cuda.current_device())
-        if major < 8:
-            return [f"the GPU has compute capability {major}.{minor}; the Triton kernels need 8.0 (Ampere) or newer"]
-        return []
+        reason = _capability_reason(torch.cuda.current_device(), "the GPU")
+        return [] if reason is None else [reason]
 
     def environment_key(self) -> tuple:
         return (os.environ.get("TRITON_INTERPRET"),)
@@ -80,15 +78,14 @@ class TritonBackend(Backend):
         reasons = self.environment_reasons()
         if reasons:
             return reasons
-        from streamkl.backends.triton.common import MAX_HEAD_DIM, capability, interpreting
+        from streamkl.backends.triton.common import MAX_HEAD_DIM, interpreting
 
         if problem.device.type != "cuda" and not interpreting():
             reasons.append(f"inputs are on {problem.device}, not on a CUDA device")
         elif problem.device.type == "cuda" and not interpreting() and problem.device.index is not None:
-            major, minor = capability(problem.device.index)  # (the current GPU's was checked above)
-            if major < 8:
-                reasons.append(f"the inputs' GPU has compute capability {major}.{minor}; the Triton kernels need "
-                               "8.0 (Ampere) or newer")
+            reason = _capability_reason(problem.device.index, "the inputs' GPU")  # (the current GPU's: above)
+            if reason is not None:
+                reasons.append(reason)
         for side, dim in ((1, problem.dim1), (2, problem.dim2)):
             if dim > MAX_HEAD_DIM:
                 reasons.append(f"head dim of side {side} is {dim}; the Triton kernels take at most {MAX_HEAD_DIM}")
@@ -140,6 +137,16 @@ class TritonBackend(Backend):
                 choice = _portable(problem, schedule, needs, deterministic)
             return backward.kl_backward(problem, choice, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule,
                                         tuple(needs))
+
+
+def _capability_reason(index: int, which: str) -> str | None:
+    """Why GPU `index` cannot run the kernels (older than Ampere), or None."""
+    from streamkl.backends.triton.common import capability
+
+    major, minor = capability(index)
+    if major < 8:
+        return f"{which} has compute capability {major}.{minor}; the Triton kernels need 8.0 (Ampere) or newer"
+    return None
 
 
 def _portable(problem: Problem, schedule, needs, deterministic: bool):
