@@ -433,7 +433,10 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     # float32 accumulators with rows on 16 bytes (tensor-memory reductions)
     dki = torch.zeros((*ki.shape[:-1], _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
     size = slab_rows(problem, block_m)
-    # workspace: the two ranges, a tile of spare rows before and after (whole tiles add to them)
+    # workspace: the two ranges, a tile of spare rows before and after (whole tiles add to them).
+    # Without them (tiles reaching before the first range or past the last row clipped by the
+    # descriptor's bounds, negative row coordinates included) a backward whose range starts inside
+    # a query tile stopped with an illegal instruction on an H100 (triton 3.6, 2026-12-07)
     ws_rows = 2 * size + 2 * block_m
     g = torch.zeros((ws_rows, hi_, _padded_width(di)), dtype=torch.float32, device=device)[..., :di]
     cu_q, cu_k = _sequence_args(problem, device)
