@@ -12,6 +12,8 @@ same public registration, without the decorator's per-call Python wrappers.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from streamkl._cache import LRUCache
@@ -23,6 +25,7 @@ from streamkl.reduction import mean_count
 from streamkl.sparse.schedule import get_schedule
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NO_CONTEXT = contextlib.nullcontext()  # grad already off: torch.no_grad() would cost a microsecond for nothing
 _LIBRARY = torch.library.Library("streamkl", "FRAGMENT")
 _LIBRARY.define(
     "kl_forward(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
@@ -185,14 +188,15 @@ class _KL(torch.autograd.Function):
         if ctx.reduction == "mean":
             grad_out = grad_out / ctx.count
         grad_rows = grad_out if ctx.reduction == "none" else grad_out.expand(ctx.row_shape)
-        with torch.no_grad():  # the op has no derivative: a second one raises (below)
+        grad_mode = torch.is_grad_enabled()  # on only under create_graph=True
+        with torch.no_grad() if grad_mode else _NO_CONTEXT:  # the op has no derivative: a second one raises
             if ctx.call is not None:
                 grads = run_backward(*ctx.call, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
             else:
                 grads = torch.ops.streamkl.kl_backward(
                     grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats,
                     needs)
-        if not torch.is_grad_enabled():  # the usual backward
+        if not grad_mode:  # the usual backward
             return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 9
         anchor = next(t for t, need in zip((q1, k1, q2, k2), needs) if need)  # requires grad: records the node
         wanted = _NoSecondDerivative.apply(anchor, *(g for g, need in zip(grads, needs) if need))
@@ -241,7 +245,7 @@ def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2, reduction: str) 
             q1, k1, q2, k2 = _distinct(tensors)
         return _KL.apply(q1, k1, q2, k2, reduction, count, call, cu_q, cu_k, pattern1, pattern2, ints, floats)
     if _direct(tensors):
-        with torch.no_grad():
+        with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:
             kl_rows, lse1, lse2, _ = run_forward(problem, impl, q1, k1, q2, k2)
     else:
         kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints,

@@ -66,11 +66,16 @@ def choose_backend(problem: Problem, backend: str | None) -> Backend:
     if torch.compiler.is_compiling():  # (traced once; dynamo cannot enter the cache's lock)
         return _choose(problem, name)
     names = PRIORITY if name == "auto" else (name,)
-    key = (name, problem.key, tuple(_load(n).environment_key() for n in names))
+    environment = tuple(_load(n).environment_key() for n in names)
+    memo = problem.memo.get("backend")  # this problem's last choice: no hashing of its key
+    if memo is not None and memo[0] == name and memo[1] == environment:
+        return memo[2]
+    key = (name, problem.key, environment)
     hit = _CHOICES.get(key)
+    chosen = hit[0] if hit is not None else _choose(problem, name)
+    problem.memo["backend"] = (name, environment, chosen)
     if hit is not None:
-        return hit[0]
-    chosen = _choose(problem, name)
+        return chosen
     _CHOICES.put(key, (chosen, problem))  # (the problem keeps the tables and patterns its key names alive)
     return chosen
 

@@ -172,12 +172,15 @@ def get_schedule(problem: Problem, block_q: int, block_k: int) -> TileSchedule:
     problem (and so those tensors) alive, so their ids are not reused while it exists."""
     if torch.compiler.is_compiling():
         return build_schedule(problem, block_q, block_k)
+    memo = problem.memo.get("schedule")  # this problem's last tiles and schedule: no hashing of its key
+    if memo is not None and memo[0] == (block_q, block_k):
+        return memo[1]
     key = (problem.key, block_q, block_k)
     hit = _CACHE.get(key)
-    if hit is not None:
-        return hit[0]
-    schedule = build_schedule(problem, block_q, block_k)
-    _CACHE.put(key, (schedule, problem))
+    schedule = hit[0] if hit is not None else build_schedule(problem, block_q, block_k)
+    problem.memo["schedule"] = ((block_q, block_k), schedule)
+    if hit is None:
+        _CACHE.put(key, (schedule, problem))
     return schedule
 
 
