@@ -108,3 +108,49 @@ def test_checked_descriptor_is_the_descriptor_triton_expects():
     assert native_specialize_impl(CUDABackend, fast, False, True, True) == native_specialize_impl(
         CUDABackend, checked, False, True, True)
     assert specialization((fast,)) == specialization((checked,))
+
+
+def _device_or_skip() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or the interpreter")
+    return "cpu"
+
+
+def test_planned_launches_reuse_the_first_compiled_kernel():
+    """`Bound.planned` (a plan that fixes every argument's specialization) compiles on its first
+    launch and reuses that kernel for new tensors of the same kind; results stay right."""
+    device = _device_or_skip()
+    bound = Launcher(_axpy, dict(BLOCK=64), num_warps=4).bind((100, 3.0))
+    for _ in range(3):
+        x = torch.randn(100, device=device)
+        y = torch.empty(100, device=device)
+        bound.planned((2,), x, y)
+        torch.testing.assert_close(y, 3.0 * x)
+    if device == "cuda":
+        assert bound._planned is not None and bound._planned[0] == torch.cuda.current_device()
+
+
+@pytest.mark.parametrize("two,scaled,scale_ptr", [(False, True, True), (False, True, False), (True, False, False)])
+def test_gluon_backward_flush_plan(two, scaled, scale_ptr):
+    """The Gluon backward's dq flush, as its plan binds it: a head chunk's float32 accumulators into
+    their heads' columns of the 16-bit gradients, the student's scaled by the softmax scale and g."""
+    device = _device_or_skip()
+    gluon_backward = pytest.importorskip("streamkl.backends.triton.gluon.backward")
+    from streamkl.backends.triton.common import LN2, log2_scales
+    from streamkl.problem import build_problem
+
+    problem = build_problem(*(torch.randn(2, 40, 4, 16, device=device) for _ in range(4)))
+    grid, run = gluon_backward.flush_plan(problem, 2, 2, two, scaled, scale_ptr)
+    a1, a2 = (torch.randn(2, 40, 2, 16, device=device) for _ in range(2))
+    o1, o2 = (torch.zeros(2, 40, 4, 16, dtype=torch.bfloat16, device=device) for _ in range(2))
+    factor_t = torch.tensor(3.0, device=device)
+    run.planned(grid, a1, a2 if two else a1, o1, o2 if two else o1, factor_t)
+    factor = (log2_scales(problem)[1] * LN2 if scaled else 1.0) * (3.0 if scale_ptr else 1.0)
+    torch.testing.assert_close(o1[..., 2:, :].float(), a1 * factor, rtol=1e-2, atol=1e-2)
+    assert (o1[..., :2, :] == 0).all()
+    if two:
+        torch.testing.assert_close(o2[..., 2:, :].float(), a2, rtol=1e-2, atol=1e-2)

@@ -79,6 +79,8 @@ def constexprs(problem: Problem, both: bool, g_one: bool, unscaled: bool, progra
 class Plan(NamedTuple):
     grid: tuple
     run: Bound  # the kernel with every argument after the call's tensors fixed
+    flush_grid: tuple
+    flush: Bound  # _flush_dq_kernel with the chunk's sizes and the dq scale fixed
 
 
 def plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule, unscaled: bool, head_lo: int, heads: int,
@@ -114,7 +116,9 @@ def plan(problem: Problem, lse1, grad_rows, dq2, dk2, schedule, unscaled: bool, 
     )  # fmt: skip
     unused = torch.empty(1, dtype=torch.float32, device=problem.device)  # the pointers no branch reads
     fixed = tuple(unused if t is None else t for t in fixed)
-    return Plan((programs,), launcher(_kl_bwd_gluon_kernel, 4, None, **kinds).bind(fixed))
+    flush_grid, flush = flush_plan(problem, head_lo, heads, both, scaled=not both,
+                                   scale_ptr=not both and (g_one or not unscaled))
+    return Plan((programs,), launcher(_kl_bwd_gluon_kernel, 4, None, **kinds).bind(fixed), flush_grid, flush)
 
 
 def call_args(q1, k1, q2, k2, lse1, lse2, grad_rows, dq2, dk2, g_scale=None, both=None) -> tuple:
@@ -142,7 +146,7 @@ def g_layout(problem: Problem, grad_rows: torch.Tensor, lse1: torch.Tensor, both
 
 
 @triton.jit
-def _flush_dq_kernel(A1, A2, O1, O2, rows, width, stride_or, col0, scale, SCALE_T,
+def _flush_dq_kernel(A1, A2, O1, O2, SCALE_T, rows, width, stride_or, col0, scale,
                      TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
                      SCALE_PTR: tl.constexpr):
     """One or two float32 dq accumulators [rows, width] (contiguous) into their heads' columns of the
@@ -164,38 +168,22 @@ def _flush_dq_kernel(A1, A2, O1, O2, rows, width, stride_or, col0, scale, SCALE_
         tl.store(O2 + o_o, y.to(O2.dtype.element_ty), mask=m)
 
 
-def flush_dq(accums, outs, head_lo: int, scale=None) -> bool:
-    """Write one or two float32 dq accumulators [..., heads_chunk, D] into the 16-bit gradients'
-    heads from `head_lo` [..., H, D] in one launch (a head chunk's `out[..., lo:hi, :].copy_(a)`
-    for each): one launch where there were two, vectorized where the strided copy was not.
-    Contiguous tensors only: False (nothing done) otherwise. `scale`: (a float, a tensor whose
-    first element multiplies it, or None), the first accumulator's factor (one accumulator only).
-    The caller zeroes the accumulators: a read-then-write of the same addresses in one program
-    would need one layout for both, which Triton does not promise."""
-
-    a1, o1 = accums[0], outs[0]
-    two = len(accums) == 2
-    if not all(t.is_contiguous() for t in (*accums, *outs)):
-        return False
-    dim = a1.shape[-1]
-    width = a1.shape[-2] * dim
-    rows = a1.numel() // width if width else 0
-    if rows == 0:
-        return True
-    grid = (cdiv(rows, 16), cdiv(width, 256))
-    assert scale is None or not two
-    scale_t = None if scale is None else scale[1]
-    args = (a1, accums[1] if two else a1, o1, outs[1] if two else o1, rows, width, o1.shape[-2] * dim,
-            head_lo * dim, 1.0 if scale is None else float(scale[0]), a1 if scale_t is None else scale_t)
-    _flush_launcher(two, scale is not None, scale_t is not None)(grid, *args)
-    return True
-
-
-@functools.lru_cache(maxsize=8)
-def _flush_launcher(two: bool, scaled: bool, scale_ptr: bool):
-    return launcher(_flush_dq_kernel, 4, None, TWO=two, BLOCK_R=16, BLOCK_C=256, SCALED=scaled, SCALE_PTR=scale_ptr)
-
-
+def flush_plan(problem: Problem, head_lo: int, heads: int, two: bool, scaled: bool, scale_ptr: bool):
+    """(grid, bound kernel) writing one or two float32 dq accumulators [..., heads, D] (contiguous)
+    into the 16-bit gradients' heads from `head_lo` [..., H, D] (contiguous) in one launch, a
+    chunk's `out[..., lo:hi, :].copy_(a)` for each; `scaled`: the first one times the softmax
+    scale (log2 scale x LN2) and, with `scale_ptr`, times the value its SCALE_T argument points
+    at. Launched as `bound.planned(grid, a1, a2, o1, o2, scale_t)`. The caller zeroes the
+    accumulators: a read-then-write of the same addresses in one program would need one layout
+    for both, which Triton does not promise."""
+    assert not (scaled and two) and (not two or problem.dim1 == problem.dim2)
+    dim = problem.dim2
+    width = heads * dim
+    rows = problem.total_q if problem.is_varlen else problem.batch * problem.seqlen_q
+    scale = log2_scales(problem)[1] * LN2 if scaled else 1.0
+    run = launcher(_flush_dq_kernel, 4, None, TWO=two, BLOCK_R=16, BLOCK_C=256, SCALED=scaled,
+                   SCALE_PTR=scale_ptr).bind((rows, width, problem.heads * dim, head_lo * dim, scale))
+    return (max(cdiv(rows, 16), 1), cdiv(width, 256)), run
 
 
 _PLANS = LRUCache(64)
@@ -217,27 +205,28 @@ def kl_backward(problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows,
     accums = pair.unbind(0)
     accum2 = accums[0]
     accum1 = accums[1] if both else None
-    dq_scale = None
-    if not both:  # the student's dq2 is added unscaled: the flush scales it (softmax scale, g's one value or scale)
-        dq_scale = (log2_scales(problem)[1] * LN2, g if g_one else g_scale)
     dq2 = torch.empty_like(q2)
     dq1 = torch.empty_like(q1) if both else None
-    outs = (dq2, dq1) if both else (dq2,)
-    key = (problem.key, both, g.stride(), g.data_ptr() % 16 == 0, lse1.stride(), g_scale is None, g_one, chunks)
+    # what fixes the launches' specialization besides the problem (`Bound.planned`): g's layout and
+    # alignment, the statistics' strides and alignment (the other tensors are new or checked)
+    aligned = g.data_ptr() % 16 == 0 and lse1.data_ptr() % 16 == 0 and lse2.data_ptr() % 16 == 0 and (
+        expect.data_ptr() % 16 == 0)
+    key = (problem.key, both, g.stride(), aligned, lse1.stride(), lse2.stride(), g_scale is None, g_one, chunks)
     plans = _PLANS.get_or_make(key, lambda: (problem, [
         plan(problem, lse1, g, accum2, dk2, schedule, g_scale is None, chunk * per_chunk, per_chunk, both, g_one)
         for chunk in range(chunks)]))[1]
     # every chunk: the same tensors (the accumulators flushed and zeroed between them)
     args = call_args(q1, k1, q2, k2, lse1, lse2, g, accum2, dk2, g_scale, (dk1, expect, accum1) if both else None)
-    for chunk, (grid, run) in enumerate(plans):
-        lo = chunk * per_chunk
-        run(grid, *args)
-        if not flush_dq(accums, outs, lo, dq_scale):
-            for out, accum in zip(outs, accums):  # (not contiguous: as flush_dq would)
-                if dq_scale is not None:
-                    factor, factor_t = dq_scale
-                    accum = accum * factor if factor_t is None else accum * factor * factor_t[(0,) * factor_t.dim()]
-                out[..., lo:lo + per_chunk, :].copy_(accum)
+    # the flush's tensors: the accumulators, the new (contiguous) gradients, the student's factor (its
+    # dq2 is added unscaled: the flush scales it by the softmax scale and g's one value or scale)
+    if both:
+        flush_args = (accum2, accum1, dq2, dq1, accum2)
+    else:
+        factor = g if g_one else g_scale
+        flush_args = (accum2, accum2, dq2, dq2, accum2 if factor is None else factor)
+    for chunk, launch_plan in enumerate(plans):
+        launch_plan.run.planned(launch_plan.grid, *args)
+        launch_plan.flush.planned(launch_plan.flush_grid, *flush_args)
         if chunk + 1 < chunks:
             pair.zero_()
     return dq1, dk1, dq2, dk2

@@ -430,7 +430,7 @@ def kl_forward(problem: Problem, launch_plan: Plan, q1, k1, q2, k2):
     write_tail_rows(problem, kl_rows, lse1, lse2, expect)  # varlen rows past cu_seqlens[-1]
     descs = (flat_descriptor(q1, BLOCK_M), flat_descriptor(k1, BLOCK_N), flat_descriptor(q2, BLOCK_M),
              flat_descriptor(k2, BLOCK_N))
-    launch_plan.run(launch_plan.grid, *descs, kl_rows, lse1, lse2, expect)
+    launch_plan.run.planned(launch_plan.grid, *descs, kl_rows, lse1, lse2, expect)
     return kl_rows, lse1, lse2, expect
 
 
