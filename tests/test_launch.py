@@ -154,3 +154,138 @@ def test_gluon_backward_flush_plan(two, scaled, scale_ptr):
     assert (o1[..., :2, :] == 0).all()
     if two:
         torch.testing.assert_close(o2[..., 2:, :].float(), a2, rtol=1e-2, atol=1e-2)
+
+
+
+class _CLaunch:
+    """Stands for a launcher's C function (a builtin: no closure), recording its arguments."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _Compiled:
+    """A compiled kernel as triton 3.6 makes one, with a recording C function; `compiled[grid]`
+    (Triton's runner) records in `runs`."""
+
+    def __init__(self, signature, metas, calls):
+        from triton.backends.nvidia import driver as nvidia
+
+        run = object.__new__(nvidia.CudaLauncher)
+        run.launch = nvidia.wrap_handle_tensordesc(_CLaunch(calls), signature, metas)
+        run.num_ctas = 1
+        run.global_scratch_size = run.profile_scratch_size = 0
+        run.global_scratch_align = run.profile_scratch_align = 1
+        run.launch_cooperative_grid, run.launch_pdl = False, True
+        self.run, self.function, self.packed_metadata, self.runs = run, 1234, ("packed",), []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.runs.append((grid, args))
+
+
+def _fake_driver(monkeypatch, fills):
+    import types
+
+    def fill(*args):
+        fills.append(args)
+        return ("tensormap", len(fills))
+
+    driver = types.SimpleNamespace(utils=types.SimpleNamespace(fill_tma_descriptor=fill),
+                                   get_current_device=lambda: 0, get_current_stream=lambda device: 77)
+    monkeypatch.setattr(triton.runtime.driver, "_active", driver)
+
+
+_ON_36 = pytest.mark.skipif(not triton.__version__.startswith("3.6."), reason="direct_launch serves triton 3.6 only")
+_META = dict(swizzle=128, elem_size=2, elem_type=9, block_size=[128, 64], fp4_padded=False)
+
+
+@_ON_36
+@pytest.mark.parametrize("layout", ["front", "between", "none"])
+def test_direct_launch_passes_what_triton_passes(layout, monkeypatch):
+    """`_compat.direct_launch` hands the launcher's C function what Triton's own wrapper
+    (`CudaLauncher.__call__`, `wrap_handle_tensordesc`) hands it, descriptors filled alike."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from streamkl.backends.triton._compat import direct_launch
+
+    fills = []
+    _fake_driver(monkeypatch, fills)
+    x = torch.zeros(256, 4, 64, dtype=torch.bfloat16)
+    y = torch.zeros(128, 2, 64, dtype=torch.float32)
+    d0 = TensorDescriptor(x, [256, 256], [256, 1], [128, 64])
+    d1 = TensorDescriptor(y, [128, 128], [128, 1], [64, 64], padding="nan")
+    meta2 = dict(_META, elem_size=4, elem_type=8, block_size=[64, 64])
+    out, n, s = torch.zeros(4), 7, 0.5
+    if layout == "front":
+        signature = dict(a="tensordesc<bf16[128, 64]>", b="tensordesc<fp32[64, 64]>", o="*fp32", n="i32", s="fp32",
+                         C="constexpr")
+        metas, args = [_META, meta2], (d0, d1, out, n, s, 16)
+    elif layout == "between":
+        signature = dict(o="*fp32", a="tensordesc<bf16[128, 64]>", n="i32", b="tensordesc<fp32[64, 64]>", s="fp32",
+                         C="constexpr")
+        metas, args = [_META, dict(meta2, elem_type=10)], (out, d0, n, d1, s, 16)
+    else:
+        signature = dict(o="*fp32", n="i32", s="fp32", C="constexpr")
+        metas, args = [], (out, n, s, 16)
+    theirs, ours = [], []
+    compiled = _Compiled(signature, metas, theirs)
+    compiled.run(3, 2, 1, 77, compiled.function, compiled.packed_metadata, None, None, None, *args)
+    their_fills = list(fills)
+    fills.clear()
+    launch = direct_launch(_Compiled(signature, metas, ours))
+    assert launch is not None
+    launch((3, 2, 1), args)
+    assert len(theirs) == len(ours) == 1 and len(theirs[0]) == len(ours[0])
+    for a, b in zip(theirs[0], ours[0], strict=True):
+        assert a is b or (not isinstance(a, torch.Tensor) and a == b), (a, b)
+    assert fills == their_fills and len(fills) == len(metas)
+
+
+def test_direct_launch_declines_what_it_does_not_know(monkeypatch):
+    """Another triton, scratch memory, descriptors lowered to pointers, another launcher: None, and
+    the kept kernel launches through Triton's own runner."""
+    import types
+
+    pytest.importorskip("triton.backends.nvidia.driver")
+    from streamkl.backends.triton import _compat, launch
+
+    _fake_driver(monkeypatch, [])
+    signature = dict(a="tensordesc<bf16[128, 64]>", C="constexpr")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert _compat.direct_launch(_Compiled(signature, [_META], [])) is not None
+    scratch = _Compiled(signature, [_META], [])
+    scratch.run.global_scratch_size = 64
+    assert _compat.direct_launch(scratch) is None
+    assert _compat.direct_launch(_Compiled(signature, None, [])) is None  # descriptors lowered
+    assert _compat.direct_launch(types.SimpleNamespace(run=lambda *a: None)) is None
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    plain = _Compiled(dict(o="*fp32", C="constexpr"), [], [])
+    assert _compat.direct_launch(plain) is None
+    run = launch._runner(plain)
+    run((4, 1, 1), (1, 2))
+    assert plain.runs == [((4, 1, 1), (1, 2))] and run.compiled is plain
+
+
+@_ON_36
+def test_direct_launch_leaves_hooked_launches_to_triton(monkeypatch):
+    """With a launch hook set (a profiler's), Triton's own path, which calls it."""
+    from triton import knobs
+
+    from streamkl.backends.triton._compat import direct_launch
+
+    _fake_driver(monkeypatch, [])
+    calls = []
+    compiled = _Compiled(dict(o="*fp32", C="constexpr"), [], calls)
+    launch = direct_launch(compiled)
+    launch((1, 1, 1), (torch.zeros(1), 4))
+    assert len(calls) == 1 and not compiled.runs
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch((1, 1, 1), (torch.zeros(1), 4))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(calls) == 1 and len(compiled.runs) == 1

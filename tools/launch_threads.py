@@ -63,12 +63,14 @@ def behind_sleep(fn, repeats: int = 5) -> float:
 
 def report_kernel(name: str, bound, grid: tuple, args: tuple) -> None:
     """One captured `Bound` launch, timed each way on both threads."""
-    compiled = next(iter(bound._compiled.values()))
+    run = next(iter(bound._compiled.values()))
+    compiled = run.compiled
     full = (*args, *bound._rest) if bound._rest is not None else bound.launcher._all_args((*args, *bound.fixed))
     grid3 = (*grid, 1, 1)[:3]
     runner = compiled[grid3]
     as_ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full)
-    cases = {"Bound call": lambda: bound(grid, *args), "compiled[grid](*args)": lambda: compiled[grid3](*full),
+    cases = {"Bound call": lambda: bound(grid, *args), "kept runner (direct)": lambda: run(grid3, full),
+             "compiled[grid](*args)": lambda: compiled[grid3](*full),
              "runner": lambda: runner(*full), "runner, pointers as ints": lambda: runner(*as_ints)}
     for label, fn in cases.items():
         main_t, thread_t = timed(fn), on_thread(lambda fn=fn: timed(fn))

@@ -3,8 +3,9 @@
 A `Launcher` is one kernel at one configuration (constexprs, warps, pipeline depth). Its first
 launch for each argument specialization goes through `kernel[grid](*args, **constexprs)`, which
 compiles (or finds) the kernel and returns the compiled kernel; later launches with the same
-specialization call that compiled kernel directly (`compiled[grid](*args)`), which skips the JIT's
-argument binding and cache lookup, most of a launch's host time.
+specialization call that compiled kernel directly, which skips the JIT's argument binding and cache
+lookup: through `_compat.direct_launch` (the launcher's C function, triton 3.6) where it serves,
+else `compiled[grid](*args)`.
 
 The specialization key is at least as fine as Triton's own, so a reused compiled kernel is the
 one Triton would have picked: each tensor's dtype and 16-byte alignment; each int's `== 1`,
@@ -20,6 +21,7 @@ import torch
 import triton
 
 from streamkl._cache import LRUCache
+from streamkl.backends.triton._compat import direct_launch
 from streamkl.backends.triton.common import interpreting
 
 __all__ = ["Bound", "Launcher", "launcher", "launch"]
@@ -53,6 +55,20 @@ def specialization(args: tuple) -> tuple:
         else:
             key.append((cls, a))  # anything else: by value (hashable, or this raises)
     return tuple(key)
+
+
+def _runner(compiled):
+    """`run(grid, args)` launching a kept compiled kernel (grid: 3 ints; args: all its parameters'
+    values): `direct_launch` where this triton has it, else Triton's own `compiled[grid](*args)`.
+    `run.compiled` is the compiled kernel (tools read its metadata)."""
+    run = direct_launch(compiled)
+    if run is None:
+
+        def run(grid, args):
+            compiled[grid](*args)
+
+    run.compiled = compiled
+    return run
 
 
 class Launcher:
@@ -114,13 +130,13 @@ class Launcher:
             self.kernel[grid](*args, **self._options())
             return
         key = (torch.cuda.current_device(), specialization(args))
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            compiled[(*grid, 1, 1)[:3]](*self._all_args(args))
+        run = self._compiled.get(key)
+        if run is not None:
+            run((*grid, 1, 1)[:3], self._all_args(args))
             return
         compiled = self._first(grid, args)
         if compiled is not None:
-            self._compiled[key] = compiled
+            self._compiled[key] = _runner(compiled)
 
 
 class Bound:
@@ -130,8 +146,8 @@ class Bound:
         self.launcher = launcher
         self.fixed = fixed
         self._rest = None if launcher._tail is None else (*fixed, *launcher._tail)
-        self._compiled: dict = {}
-        self._planned = None  # (device, compiled) of `planned`
+        self._compiled: dict = {}  # key -> `_runner`
+        self._planned = None  # (device, runner) of `planned`
 
     def planned(self, grid: tuple, *args) -> None:
         """`self(grid, *args)` for a caller whose plan fixes every argument's specialization (each
@@ -140,15 +156,15 @@ class Bound:
         inputs; the other tensors are fresh allocations): after the first launch, the compiled
         kernel is reused without computing the key."""
         known = self._planned
-        if known is not None and self._rest is not None and known[0] == torch.cuda.current_device():
-            known[1][(*grid, 1, 1)[:3]](*args, *self._rest)
+        if known is not None and known[0] == torch.cuda.current_device():
+            known[1]((*grid, 1, 1)[:3], (*args, *self._rest))
             return
         self(grid, *args)
         if self._rest is not None and not interpreting():
             key = (torch.cuda.current_device(), self.launcher.num_stages, specialization(args))
-            compiled = self._compiled.get(key)
-            if compiled is not None:
-                self._planned = (key[0], compiled)
+            run = self._compiled.get(key)
+            if run is not None:
+                self._planned = (key[0], run)
 
     def __call__(self, grid: tuple, *args) -> None:
         launcher = self.launcher
@@ -156,18 +172,16 @@ class Bound:
             launcher(grid, *args, *self.fixed)
             return
         key = (torch.cuda.current_device(), launcher.num_stages, specialization(args))
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            if self._rest is not None:
-                compiled[(*grid, 1, 1)[:3]](*args, *self._rest)
-            else:
-                compiled[(*grid, 1, 1)[:3]](*launcher._all_args((*args, *self.fixed)))
+        run = self._compiled.get(key)
+        if run is not None:
+            full = (*args, *self._rest) if self._rest is not None else launcher._all_args((*args, *self.fixed))
+            run((*grid, 1, 1)[:3], full)
             return
         stages = launcher.num_stages
         compiled = launcher._first(grid, (*args, *self.fixed))
         if compiled is not None:
             key = key if stages == launcher.num_stages else (key[0], launcher.num_stages, key[2])
-            self._compiled[key] = compiled
+            self._compiled[key] = _runner(compiled)
 
 
 _LAUNCHERS = LRUCache(512)
