@@ -132,6 +132,11 @@ def test_planned_launches_reuse_the_first_compiled_kernel():
         torch.testing.assert_close(y, 3.0 * x)
     if device == "cuda":
         assert bound._planned is not None and bound._planned[0] == torch.cuda.current_device()
+        if triton.__version__.startswith("3.6."):  # the kept kernel launches directly (`_compat.direct_launch`)
+            from streamkl.backends.triton._compat import direct_launch
+
+            run = bound._planned[1]
+            assert direct_launch(run.compiled) is not None and run.__qualname__.startswith("direct_launch")
 
 
 @pytest.mark.parametrize("two,scaled,scale_ptr", [(False, True, True), (False, True, False), (True, False, False)])
