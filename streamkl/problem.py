@@ -71,8 +71,8 @@ class Problem:
     host_cu_seqlens_q: torch.Tensor | None = None
     host_cu_seqlens_k: torch.Tensor | None = None
     key: tuple = ()
-    #: what the front end derived from this problem alone (its backend per environment, its tile
-    #: schedule), outside torch.compile. A Problem is immutable and its key names every tensor
+    #: what was derived from this problem alone (its backend per environment, its tile schedule,
+    #: the Triton backend's plans), outside torch.compile. A Problem is immutable and its key names every tensor
     #: version, so a changed tensor makes a new Problem with an empty memo.
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 

@@ -109,8 +109,13 @@ class TritonBackend(Backend):
                 gluon_plan = gluon_forward.plan(problem, schedule)
             return problem, choice, forward.plan(problem, choice, schedule), gluon_plan
 
-        key = ("forward", problem.key, schedule.block_q, schedule.block_k)
-        _, choice, plan, gluon_plan = self._plans.get_or_make(key, make)
+        tiles = (schedule.block_q, schedule.block_k)
+        memo = problem.memo.get("triton.forward")  # this problem's last plan: no hashing of its key
+        if memo is not None and memo[0] == tiles:
+            choice, plan, gluon_plan = memo[1]
+        else:  # (the memo leaves out the entry's problem: no reference cycle)
+            _, choice, plan, gluon_plan = self._plans.get_or_make(("forward", problem.key, *tiles), make)
+            problem.memo["triton.forward"] = (tiles, (choice, plan, gluon_plan))
         with _inputs_device(problem):
             if gluon_plan is not None and select.tma_inputs(q1, k1, q2, k2):
                 from streamkl.backends.triton.gluon import forward as gluon_forward
@@ -124,9 +129,15 @@ class TritonBackend(Backend):
         if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
             return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
         deterministic = problem.deterministic or torch.are_deterministic_algorithms_enabled()
-        key = ("backward", problem.key, schedule.block_q, schedule.block_k, tuple(needs), deterministic)
-        _, choice = self._plans.get_or_make(key, lambda: (problem, select.select_backward(
-            problem, schedule.block_q, schedule.block_k, tuple(needs), deterministic)))
+        variant = (schedule.block_q, schedule.block_k, tuple(needs), deterministic)
+        memo = problem.memo.get("triton.backward")  # this problem's last choice: no hashing of its key
+        if memo is not None and memo[0] == variant:
+            choice = memo[1]
+        else:
+            _, choice = self._plans.get_or_make(("backward", problem.key, *variant), lambda: (
+                problem, select.select_backward(problem, schedule.block_q, schedule.block_k, tuple(needs),
+                                                deterministic)))
+            problem.memo["triton.backward"] = (variant, choice)
         with _inputs_device(problem):
             if choice.kind.startswith("gluon") and select.tma_inputs(q1, k1, q2, k2):
                 from streamkl.backends.triton.gluon import backward as gluon_backward
