@@ -371,6 +371,10 @@ GPU_CASES = [
     pytest.param(1, 2048, 16, 8, 128, 64, 128, True, 0, torch.bfloat16, id="N2048-H16-Hk8-D128-Hi64x128-causal-bf16"),
     pytest.param(1, 1500, 8, 8, 192, 16, 64, True, 0, torch.bfloat16, id="N1500-H8-D192-Hi16x64-causal-bf16"),
     pytest.param(2, 1000, 8, 2, 128, 32, 128, False, 0, torch.float16, id="B2-N1000-H8-Hk2-D128-Hi32x128-fp16"),
+    # backward row ranges of 128 rows, 24 of them: the first-position range [1024, 1152) starts inside
+    # a query tile of the second sequence (rows 1000-1063), whose reductions start 24 rows into the
+    # spare tile before the workspace's ranges
+    pytest.param(3, 1000, 8, 2, 128, 32, 128, True, 0, torch.bfloat16, id="B3-N1000-H8-Hk2-D128-Hi32x128-causal-bf16"),
     pytest.param(1, 1200, 8, 8, 64, 8, 64, True, 0, torch.float32, id="N1200-H8-D64-Hi8x64-causal-fp32"),
     pytest.param(1, 2048, 16, 16, 128, 64, 128, True, 256, torch.bfloat16,
                  id="N2048-H16-D128-Hi64x128-causal-top256-bf16"),
@@ -384,6 +388,31 @@ GPU_CASES = [
 @pytest.mark.parametrize("B, N, H, Hk, D, Hi, Di, causal, topk, dtype", GPU_CASES)
 def test_gpu_against_reference(B, N, H, Hk, D, Hi, Di, causal, topk, dtype):
     test_dense_layout(B, N, N, H, Hk, D, Hi, Di, causal, topk, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_non_finite_key_stays_in_its_rows():
+    """A non-finite indexer key reaches only the rows that see it. N = 560 in backward ranges of 128
+    rows: the first launch pairs rows [0, 128) with the short [512, 560), whose last query tile's
+    rows past the sequence add 0 * inf = NaN to workspace rows no range finishes; the second
+    launch's range [384, 512) takes those rows. Rows before the key's query tile [512, 576) (causal:
+    they never see it) must get the same gradients as with a finite key."""
+    N, H, D, Hi, Di = 560, 4, 64, 4, 64
+    q, k, qi, ki, w = inputs((1, N), (1, N), H, H, D, Hi, Di, torch.bfloat16)
+    problem = make_problem(q, k, qi, ki, None, True)
+    assert triton_indexer.slab_rows(problem, triton_indexer.config(problem, "backward")["BLOCK_M"]) == 128
+    grad_rows = torch.randn(1, N, device=DEVICE)
+    results = []
+    for bad in (False, True):
+        keys = ki.clone()
+        if bad:
+            keys[0, 550] = float("inf")
+        _, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, keys, w, None, None)
+        results.append(triton_indexer.backward(problem, q, k, qi, keys, w, None, head_lse, index_lse, grad_rows))
+    (dqi, _, dw), (dqi_bad, _, dw_bad) = results
+    assert torch.isfinite(dqi[0, :512]).all()
+    assert torch.equal(dqi_bad[0, :512], dqi[0, :512]) and torch.equal(dw_bad[0, :512], dw[0, :512])
 
 
 @pytest.mark.gpu

@@ -468,6 +468,8 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
                     0 if varlen else qi.stride(0), qi.stride(-3), qi.stride(-2), 0 if varlen else w.stride(0),
                     w.stride(-2),
                     INDEX_DIM=di, BLOCK_H=_pow2(hi_), BLOCK_E=block_e, VARLEN=varlen, num_warps=8)
+        if base1 + (hi1 - lo1) < ws_rows:  # a short pair: rows no range finished took a tile's zeros
+            g[base1 + (hi1 - lo1):].zero_()  # (NaN where a key is not finite); later ranges read them
     if varlen:  # rows past cu_seqlens[-1] belong to no sequence: gradient 0 whatever qi and w hold
         tail = torch.arange(problem.total_q, device=device) >= problem.cu_seqlens_q[-1]
         dqi.masked_fill_(tail[:, None, None], 0.0)
