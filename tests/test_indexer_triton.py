@@ -397,7 +397,7 @@ def test_gpu_non_finite_key_stays_in_its_rows():
     rows: the first launch pairs rows [0, 128) with the short [512, 560), whose last query tile's
     rows past the sequence add 0 * inf = NaN to workspace rows no range finishes; the second
     launch's range [384, 512) takes those rows. Rows before the key's query tile [512, 576) (causal:
-    they never see it) must get the same gradients as with a finite key."""
+    they never see it) must get finite gradients, those of a finite key up to rounding."""
     N, H, D, Hi, Di = 560, 4, 64, 4, 64
     q, k, qi, ki, w = inputs((1, N), (1, N), H, H, D, Hi, Di, torch.bfloat16)
     problem = make_problem(q, k, qi, ki, None, True)
@@ -411,8 +411,10 @@ def test_gpu_non_finite_key_stays_in_its_rows():
         _, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, keys, w, None, None)
         results.append(triton_indexer.backward(problem, q, k, qi, keys, w, None, head_lse, index_lse, grad_rows))
     (dqi, _, dw), (dqi_bad, _, dw_bad) = results
-    assert torch.isfinite(dqi[0, :512]).all()
-    assert torch.equal(dqi_bad[0, :512], dqi[0, :512]) and torch.equal(dw_bad[0, :512], dw[0, :512])
+    # G's rows are summed with reductions in no fixed order: equal up to float32 rounding
+    assert torch.isfinite(dqi_bad[0, :512]).all() and torch.isfinite(dw_bad[0, :512]).all()
+    torch.testing.assert_close(dqi_bad[0, :512], dqi[0, :512], rtol=2e-2, atol=1e-4)
+    torch.testing.assert_close(dw_bad[0, :512], dw[0, :512], rtol=2e-2, atol=1e-4)
 
 
 @pytest.mark.gpu
