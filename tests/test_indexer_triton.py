@@ -151,7 +151,10 @@ def test_local_selection_skips_tiles():
     top = (rows - torch.arange(K, device=DEVICE)[None, :]).clamp(min=-1).to(torch.int32).view(1, N, K)
     problem = make_problem(q, k, qi, ki, top, False)
     cfg = triton_indexer.config(problem, "forward")
-    _, (table,) = triton_indexer.selection(problem, top, [(cfg["BLOCK_M"], cfg["BLOCK_N"])])
+    tiles = -(-N // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    sel = torch.empty((N, K), dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(tiles, dtype=torch.uint8, device=DEVICE)
+    triton_indexer.select(problem, top, sel, ((0, N), (0, 0)), table, (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     assert 0 < int(table.sum()) < table.numel()
     loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
     ref_loss, ref_head, ref_index = indexer_kl_reference(q, k, qi, ki, w, causal=False, topk_indices=top)
@@ -264,6 +267,74 @@ def test_varlen(lens, tail, causal, topk, dtype):
         check(name, grad.float(), ref, grad_tol)
 
 
+def test_select_sorts_and_marks_tiles():
+    """`select` on packed sequences (an empty one, rows of no sequence at the end), for two row
+    windows that cut sequences: each window row's keys ascending, the unusable ones (-1, past the
+    causal limit, rows of no sequence) BIG_INDEX; the table marks exactly the selected tiles."""
+    lens, tail, K, tile = [5, 0, 40, 17], 3, 12, (16, 8)
+    cu = torch.tensor([0, 5, 5, 45, 62], dtype=torch.int32, device=DEVICE)
+    total = sum(lens) + tail
+    q, k, qi, ki, _ = inputs((total,), (total,), 2, 2, 16, 2, 16, torch.float32)
+    top = torch.randint(-1, 45, (total, K), dtype=torch.int32, device=DEVICE)
+    problem = make_problem(q, k, qi, ki, top, True, cu, cu)
+    pair = ((3, 30), (44, total))
+    sel = torch.full((total, K), 7, dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(4 * 3 * 5, dtype=torch.uint8, device=DEVICE)  # 4 sequences, 3 x 5 tiles of 16 x 8
+    triton_indexer.select(problem, top, sel, pair, table, tile)
+    expected_table = torch.zeros_like(table)
+    rows = [*range(3, 30), *range(44, total)]
+    for slot, row in enumerate(rows):
+        seq = int(torch.searchsorted(cu, torch.tensor(row, dtype=torch.int32, device=DEVICE), right=True)) - 1
+        inside = seq < len(lens)
+        pos = row - int(cu[min(seq, len(lens) - 1)])
+        keys = top[row].tolist()
+        usable = [key for key in keys if inside and 0 <= key <= pos]
+        want = sorted(usable) + [triton_indexer.BIG_INDEX] * (K - len(usable))
+        assert sel[slot].tolist() == want, row
+        for key in usable:
+            expected_table[(seq * 3 + pos // tile[0]) * 5 + key // tile[1]] = 1
+    assert (sel[len(rows):] == 7).all()
+    assert torch.equal(table, expected_table)
+
+
+WINDOW_CASES = [
+    # (batch and length, or packed lengths, K, causal, window rows)
+    pytest.param((2, 100), None, 24, True, 40, id="B2-N100-top24-causal-window40"),
+    pytest.param((1, 160), None, 30, False, 48, id="N160-top30-window48"),
+    pytest.param(None, [70, 0, 53], 16, True, 48, id="lens70-0-53-tail3-top16-causal-window48"),
+]
+
+
+@pytest.mark.parametrize("shape, lens, K, causal, window", WINDOW_CASES)
+def test_topk_row_windows(shape, lens, K, causal, window):
+    """The top-k forward in launches of two row windows, each launch holding its rows' sorted
+    selections only: windows that cut query tiles and sequences give the one-window result bit for
+    bit (a row's statistics depend on its own row only) and the reference's."""
+    H, Hk, D, Hi, Di = 8, 2, 16, 2, 16  # 8 heads: the forward splits the keys
+    cu = None
+    if lens is None:
+        q, k, qi, ki, w = inputs(shape, shape, H, Hk, D, Hi, Di, torch.float32)
+        top = random_topk(shape[0] * shape[1], shape[1], K, DEVICE).view(*shape, K)
+    else:
+        total = sum(lens) + 3
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        q, k, qi, ki, w = inputs((total,), (total,), H, Hk, D, Hi, Di, torch.float32)
+        top = torch.full((total, K), -1, dtype=torch.int32, device=DEVICE)
+        for s, n in enumerate(lens):
+            top[cu[s] : cu[s] + n] = random_topk(n, n, K, DEVICE)
+    problem = make_problem(q, k, qi, ki, top, causal, cu, cu)
+    whole = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    rows = top.numel() // K
+    assert window < rows <= triton_indexer.window_rows(problem, rows, 1)  # the default: one launch here
+    windowed = triton_indexer.forward(problem, q, k, qi, ki, w, None, top, window=window)
+    for name, a, b in zip(("loss", "head_lse", "index_lse"), windowed, whole):
+        assert torch.equal(a, b), name
+    if lens is None:
+        ref_loss, ref_head, _ = indexer_kl_reference(q, k, qi, ki, w, causal=causal, topk_indices=top)
+        check("loss", windowed[0], ref_loss, 1e-4)
+        check("head_lse", windowed[1], ref_head, 1e-4)
+
+
 @pytest.mark.parametrize("total, size", [(300, 128), (256, 128), (100, 128), (1000, 64)],
                          ids=["T300-r128", "T256-r128", "T100-r128", "T1000-r64"])
 def test_backward_row_ranges_cover_rows_once(total, size):
@@ -290,9 +361,10 @@ def test_nan_input_propagates():
 def test_reasons():
     q, k, qi, ki, w = inputs((1, 8), (1, 8), 2, 2, 16, 2, 16, torch.float32)
     problem = make_problem(q, k, qi, ki, None, True)
-    wide = IndexerProblem(**{**problem.__dict__, "dim": 320, "index_dim": 256, "index_heads": 65})
+    wide = IndexerProblem(**{**problem.__dict__, "dim": 320, "index_dim": 256, "index_heads": 65, "topk": 40000})
     reasons = triton_indexer.not_supported_reasons(wide)
     assert any("320" in r for r in reasons) and any("256" in r for r in reasons) and any("65" in r for r in reasons)
+    assert any("40000" in r for r in reasons)
 
 
 # ------------------------------------------------------------------------------------------ shared memory
@@ -415,6 +487,32 @@ def test_gpu_non_finite_key_stays_in_its_rows():
     assert torch.isfinite(dqi_bad[0, :512]).all() and torch.isfinite(dw_bad[0, :512]).all()
     torch.testing.assert_close(dqi_bad[0, :512], dqi[0, :512], rtol=2e-2, atol=1e-4)
     torch.testing.assert_close(dw_bad[0, :512], dw[0, :512], rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_topk_memory_is_linear():
+    """N = 32K, H = 64, top-2048: the forward and backward allocate at most 16 bytes per (row,
+    teacher head) beyond the inputs (the selection included) and the gradients, dki counted as its
+    float32 accumulator, plus the forward's smallest windows (a fixed size, so that a launch fills
+    the GPU): the rows' sorted selections (8 KiB a row) exist a window of rows at a time."""
+    N, H, D, Hi, Di, K = 32768, 64, 128, 64, 128, 2048
+    q, k, qi, ki, w = inputs((1, N), (1, N), H, H, D, Hi, Di, torch.bfloat16)
+    rows = torch.arange(N, device=DEVICE)[:, None]
+    top = (torch.rand(N, K, device=DEVICE) * (rows + 1)).to(torch.int32).view(1, N, K)  # causal positions
+    problem = make_problem(q, k, qi, ki, top, True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    grads = triton_indexer.backward(problem, q, k, qi, ki, w, top, head_lse, index_lse, torch.ones_like(loss))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    gradient_bytes = sum(g.numel() * g.element_size() for g in grads) + ki.numel() * 4
+    print(f"top-k extra besides gradients: {(extra - gradient_bytes) / (N * H):.2f} B per (row, head)")
+    smallest_windows = 2 * triton_indexer.MIN_WINDOW_ROWS * (4 * K + 16 * 16)  # 16 splits at most
+    assert extra <= gradient_bytes + 16 * N * H + smallest_windows, (extra - gradient_bytes) / (N * H)
+    assert math.isfinite(loss.sum().item())
 
 
 @pytest.mark.gpu

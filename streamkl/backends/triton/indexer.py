@@ -24,12 +24,15 @@ Nq x Nk ever stored:
   query-major backward would keep dqi in registers but needs Hi x Di float32 per row (32 KB at
   64 x 128): no tile of rows large enough for the teacher's products fits.
 
-Top-k stage: the same kernels with the selection as part of the mask. Each row's indices are
-sorted once per call (O(N K), a buffer the size of `topk_indices`; keys past the row's causal limit
-sort last as unusable). The lse and forward kernels walk each row's sorted selection with a cursor
-and visit only the key tiles some row selected; the backward skips the others by a (query tile,
-key tile) table. The work is proportional to the selected tiles: about the dense stage's for
-scattered selections, far less for local or clustered ones.
+Top-k stage: the same kernels with the selection as part of the mask. A launch's rows have their
+indices sorted by `select` (one program a row, the sort in registers; keys past the row's causal
+limit sort last as unusable) into a buffer of those rows only: the forward and lse kernels run in
+launches of two row windows (one from each end, as the backward's ranges) sized so that the
+sorted selections (4 K bytes a row) stay within the memory bound, the backward sorts each launch's
+ranges. The lse and forward kernels walk each row's sorted selection with a cursor and visit only
+the key tiles some row selected; the backward skips the others by a (query tile, key tile) table
+that each launch's `select` adds its rows' tiles to. The work is proportional to the selected
+tiles: about the dense stage's for scattered selections, far less for local or clustered ones.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DIM, MAX_INDEX_DIM, MAX_INDEX_HEADS, MAX_HEADS = 256, 128, 64, 128
+MAX_TOPK = 1 << 15  # `select` sorts a row's selection in one program (128 KiB of shared memory at this K)
 
 
 def _interpreting() -> bool:
@@ -86,6 +90,8 @@ def not_supported_reasons(problem) -> list[str]:
         reasons.append(f"indexer heads {problem.index_heads} > {MAX_INDEX_HEADS}")
     if problem.heads > MAX_HEADS:
         reasons.append(f"teacher heads {problem.heads} > {MAX_HEADS}")
+    if problem.topk > MAX_TOPK:
+        reasons.append(f"top-k of {problem.topk} keys a row > {MAX_TOPK}")
     return reasons
 
 
@@ -187,34 +193,46 @@ def _rows_of_sequences(problem, rows: torch.Tensor):
     return seq, rows - cu_q[seq], cu_q[seq + 1] - cu_q[seq], cu_k[seq + 1] - cu_k[seq], inside
 
 
-def selection(problem, topk_indices: torch.Tensor, shapes: list[tuple[int, int]] = ()):
-    """Each row's selected keys sorted ascending, the slots it cannot use (-1, outside its sequence,
-    past its causal limit) replaced by BIG_INDEX: int32 [rows, K] (repeats stay: the kernels' bits
-    set them twice); and per (BLOCK_M, BLOCK_N) in `shapes`, the uint8 table
-    [S, query tiles, key tiles] of the tiles some row selected a key of. No host sync."""
-    device = topk_indices.device
+def select(problem, topk_indices: torch.Tensor, sel: torch.Tensor, pair, table: torch.Tensor | None = None,
+           tile: tuple[int, int] = (1, 1)) -> None:
+    """Sort a launch's selections into `sel` (int32 [>= its rows, K]): the rows of its two row
+    windows `pair` ((lo0, hi0), (lo1, hi1), flat rows), the first's then the second's, each row's
+    keys ascending, the slots it cannot use (-1, past its causal limit, a row of no sequence)
+    BIG_INDEX (repeats stay: the kernels' bits set them twice). With `table` (uint8
+    [S * query tiles * key tiles] of `tile` = (BLOCK_M, BLOCK_N)), also a 1 for every tile a row
+    selects a key of; the table is never cleared, so it holds every earlier launch's tiles too.
+    One program a row, the sort in registers: no temporaries, no host sync."""
+    (lo0, hi0), (lo1, hi1) = pair
+    rows = hi0 - lo0 + hi1 - lo1
+    if rows == 0:
+        return
     top = topk_indices.reshape(-1, problem.topk)
-    rows_total = top.shape[0]
-    sel = torch.empty((rows_total, problem.topk), dtype=torch.int32, device=device)
-    tables = []
-    for block_m, block_n in shapes:
-        q_tiles, k_tiles = -(-problem.seqlen_q // block_m), -(-problem.seqlen_k // block_n)
-        tables.append(torch.zeros(problem.batch * q_tiles * k_tiles + 1, dtype=torch.uint8, device=device))
-    chunk = max(1, (1 << 22) // max(problem.topk, 1))
-    for start in range(0, rows_total, chunk):
-        rows = torch.arange(start, min(start + chunk, rows_total), device=device)
-        seq, pos, len_q, len_k, inside = _rows_of_sequences(problem, rows)
-        raw = top[start : start + len(rows)].to(torch.int32)
-        limit = len_k if not problem.causal else torch.minimum(len_k, pos + len_k - len_q + 1)
-        bad = (raw < 0) | (raw >= limit[:, None]) | ~inside[:, None]
-        ordered = torch.sort(torch.where(bad, BIG_INDEX, raw), dim=1).values
-        sel[start : start + len(rows)] = ordered
-        usable = ordered < BIG_INDEX
-        for (block_m, block_n), table in zip(shapes, tables):
-            q_tiles, k_tiles = -(-problem.seqlen_q // block_m), -(-problem.seqlen_k // block_n)
-            flat = ((seq * q_tiles + pos // block_m) * k_tiles)[:, None] + ordered // block_n
-            table.scatter_(0, torch.where(usable, flat, table.numel() - 1).reshape(-1), 1)
-    return sel, [table[:-1] for table in tables]
+    cu_q, cu_k = _sequence_args(problem, sel.device)
+    block_k = _pow2(problem.topk)
+    q_tiles, k_tiles = -(-problem.seqlen_q // tile[0]), -(-problem.seqlen_k // tile[1])
+    _kernels()._selection_kernel[(rows,)](
+        top, sel, sel if table is None else table, cu_q, cu_k, top.stride(0), lo0, hi0, lo1, problem.batch,
+        max(problem.seqlen_q, 1), problem.seqlen_k, problem.topk, q_tiles, k_tiles,
+        CAUSAL=problem.causal, VARLEN=problem.is_varlen, TABLE=table is not None, BLOCK_K=block_k,
+        TILE_M=tile[0], TILE_N=tile[1], num_warps=min(16, max(4, block_k // 256)))
+
+
+#: a top-k forward launch's smallest windows: enough query tiles to fill the GPU. On an H100 at
+#: N = 32K, H = 64, K = 2048 (2026-12-07) the forward took, by window rows (1280 / 2560 / 4096 /
+#: 16384), 177 / 153 / 147 / 146 ms for scattered selections and 78 / 54 / 43 / 41 ms for local
+#: ones, against 147 and 42 with every row's selection sorted at once
+MIN_WINDOW_ROWS = 4096
+
+
+def window_rows(problem, rows_total: int, splits: int) -> int:
+    """Rows of each of a top-k forward launch's two row windows. Their sorted selections (4 K bytes
+    a row) and split statistics (16 bytes a row per split) take at most 11 bytes per (row, teacher
+    head) of all rows: with the teacher's lse (4) and the outputs (8 bytes a row), at most 16 at
+    H >= 8; but a window holds at least MIN_WINDOW_ROWS rows, so that a launch has enough programs:
+    below about N = 96K at H = 64, K = 2048 that floor is the larger (a fixed 66 MiB)."""
+    per_row = 4 * problem.topk + 16 * splits
+    fit = 11 * problem.heads * rows_total // per_row // 2
+    return max(MIN_WINDOW_ROWS, fit // 128 * 128)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -297,10 +315,11 @@ def _tiles(problem, cfg: dict) -> tuple[int, int]:
 
 
 def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ...] | None = None,
-            lse_tiles: tuple[int, ...] | None = None):
+            lse_tiles: tuple[int, ...] | None = None, window: int | None = None):
     """(loss_rows, head_lse, index_lse) float32 (the backend interface: streamkl/indexer.py).
     `tiles` / `lse_tiles` (BLOCK_M, BLOCK_N, warps[, stages]) replace `config`'s choice for the
-    forward / the teacher lse kernel (A/B timing in tools/time_indexer_triton.py)."""
+    forward / the teacher lse kernel (A/B timing in tools/time_indexer_triton.py); `window`
+    replaces `window_rows`'s (tests)."""
     kernels = _kernels()
     w = _last_contiguous(w)
     device = q.device
@@ -310,43 +329,53 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ..
     loss, index_lse = _new(row_shape, device), _new(row_shape, device)
     cfg_lse = _with_tiles(problem, config(problem, "lse"), lse_tiles)
     cfg_fwd = _with_tiles(problem, config(problem, "forward"), tiles)
+    head_lse = _last_contiguous(lse) if lse is not None else _new(lse_shape, device)
+    rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
+    q_tiles, k_tiles = _tiles(problem, cfg_fwd)
+    splits, split_tiles = key_splits(problem, k_tiles)
+    # the rows go in launches of two row windows (one from each end: equal causal work per launch);
+    # the dense stage has one window of every row
+    launches, size = [((0, rows_total), (0, 0))], rows_total
     sel = _placeholder(device)
     if problem.topk > 0:
-        sel, _ = selection(problem, topk_indices)
-    sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
+        size = window_rows(problem, rows_total, splits) if window is None else window
+        launches = row_ranges(rows_total, size)
+        sel = torch.empty((min(2 * size, rows_total), problem.topk), dtype=torch.int32, device=device)
+    parts = torch.empty((4, splits, min(2 * size, rows_total)), dtype=torch.float32, device=device)  # m, l, a, b
     cu_q, cu_k = _sequence_args(problem, device)
     block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
     common = (problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k)
-    if lse is not None:
-        head_lse = _last_contiguous(lse)
-    else:
-        head_lse = _new(lse_shape, device)
-        q_tiles, _ = _tiles(problem, cfg_lse)
-        if q_tiles * problem.batch > 0:
-            _launch(kernels._head_lse_kernel, (q_tiles * problem.batch * problem.heads,), (
-                _descriptor(q, varlen, cfg_lse["BLOCK_M"], block_d),
-                _descriptor(k, varlen, cfg_lse["BLOCK_N"], block_d),
+    windows = 2 if problem.topk > 0 else 1
+    span_lse, span_fwd = _span_tiles(problem, cfg_lse["BLOCK_M"], size), _span_tiles(problem, cfg_fwd["BLOCK_M"], size)
+    if problem.batch * q_tiles == 0 or rows_total == 0:
+        launches = []
+    for pair in launches:
+        (lo0, hi0), (lo1, hi1) = pair
+        bounds = (lo0, hi0, lo1, hi1, windows)
+        if problem.topk > 0:
+            select(problem, topk_indices, sel, pair)
+        if lse is None:
+            rows, cols = cfg_lse["BLOCK_M"], cfg_lse["BLOCK_N"]
+            _launch(kernels._head_lse_kernel, (span_lse * windows * problem.batch * problem.heads,), (
+                _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
                 head_lse, sel, cu_q, cu_k,
-                0 if varlen else head_lse.stride(0), head_lse.stride(-2), sel_stride,
-                *common, problem.scale * LOG2E, problem.topk, q_tiles,
+                0 if varlen else head_lse.stride(0), head_lse.stride(-2), *bounds, span_lse,
+                *common, problem.scale * LOG2E, problem.topk,
             ), _constants(problem, cfg_lse))
-    q_tiles, k_tiles = _tiles(problem, cfg_fwd)
-    rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
-    splits, split_tiles = key_splits(problem, k_tiles)
-    parts = torch.empty((4, splits, rows_total), dtype=torch.float32, device=device)  # m, l, a, b
-    parts[0].fill_(float("-inf"))
-    parts[1:].zero_()
-    if q_tiles * problem.batch > 0 and rows_total > 0:
+        parts[0].fill_(float("-inf"))
+        parts[1:].zero_()
         rows, cols = cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"]
-        _launch(kernels._forward_kernel, (q_tiles * problem.batch * splits,), (
+        _launch(kernels._forward_kernel, (span_fwd * windows * problem.batch * splits,), (
             _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
             _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
             w, head_lse, parts, sel, cu_q, cu_k,
             0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
-            0 if varlen else problem.seqlen_q, sel_stride, parts.stride(0), parts.stride(1),
-            *common, problem.index_heads, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, splits, split_tiles,
+            parts.stride(0), parts.stride(1), *bounds, span_fwd,
+            *common, problem.index_heads, problem.scale * LOG2E, problem.topk, splits, split_tiles,
         ), dict(BLOCK_E=block_e, **_constants(problem, cfg_fwd)))
-    _merge_splits(parts, loss.view(-1), index_lse.view(-1))
+        for (lo, hi), base in (((lo0, hi0), 0), ((lo1, hi1), hi0 - lo0)):
+            if hi > lo:
+                _merge_splits(parts[:, :, base : base + hi - lo], loss.view(-1)[lo:hi], index_lse.view(-1)[lo:hi])
     if varlen and problem.total_q > 0:
         tail = torch.arange(problem.total_q, device=device) >= problem.cu_seqlens_q[-1]
         loss.masked_fill_(tail, 0.0)
@@ -354,6 +383,11 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ..
         if lse is None:
             head_lse.masked_fill_(tail[None, :], float("-inf"))
     return loss, head_lse, index_lse
+
+
+def _span_tiles(problem, block_m: int, size: int) -> int:
+    """Query tiles a row window of `size` rows can touch in one sequence."""
+    return min(-(-problem.seqlen_q // block_m), -(-size // block_m) + 1)
 
 
 def key_splits(problem, k_tiles: int) -> tuple[int, int]:
@@ -383,9 +417,10 @@ def slab_rows(problem, block_m: int) -> int:
     """Rows of one row range of the backward's launches (two ranges per launch). Memory besides
     the gradients, per (row, teacher head): the saved teacher lse 4 bytes, dki's float32
     accumulator 4 Di / H (8 at H = 64, Di = 128), and this workspace (float32 G, Hi Di words a
-    row) at most 4, never below two query tiles a range."""
+    row, and in the top-k stage the rows' sorted selections, 4 K bytes a row) at most 4, never
+    below two query tiles a range."""
     rows = problem.total_q if problem.is_varlen else problem.batch * problem.seqlen_q
-    per_row = problem.index_heads * _padded_width(problem.index_dim) * 4
+    per_row = problem.index_heads * _padded_width(problem.index_dim) * 4 + 4 * problem.topk
     fit = 4 * problem.heads * rows // per_row // 2
     return max(2 * block_m, fit // block_m * block_m)
 
@@ -421,11 +456,6 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     cfg = _with_tiles(problem, config(problem, "backward"), tiles)
     q_tiles, k_tiles = _tiles(problem, cfg)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    spare = _placeholder(device)
-    sel, table = spare, spare
-    if problem.topk > 0:
-        sel, (table,) = selection(problem, topk_indices, [(block_m, block_n)])
-    sel_stride = 0 if varlen or problem.topk == 0 else problem.seqlen_q * problem.topk
     rows_total = problem.total_q if varlen else problem.batch * problem.seqlen_q
     hi_, di = problem.index_heads, problem.index_dim
     # every row is in one range, whose finishing kernel writes its dqi and dw
@@ -443,17 +473,24 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     block_d, block_e = _pow2(problem.dim), _pow2(di)
     if k_tiles * problem.batch == 0 or q_tiles == 0 or rows_total == 0:
         return dqi.zero_(), dki.to(ki.dtype).contiguous(), dw.zero_()
+    sel = table = _placeholder(device)
+    if problem.topk > 0:  # a launch's rows' sorted selections (the workspace's rows), the tiles selected so far
+        sel = torch.empty((block_m + min(2 * size, rows_total), problem.topk), dtype=torch.int32, device=device)
+        table = torch.zeros(problem.batch * q_tiles * k_tiles, dtype=torch.uint8, device=device)
     descriptors = (_descriptor(q, varlen, block_m, block_d), _descriptor(k, varlen, block_n, block_d),
                    _descriptor(qi, varlen, block_m, block_e), _descriptor(ki, varlen, block_n, block_e))
     # no copies: g's and dki's rows start on 16 bytes
     g_descriptor, dki_descriptor = _descriptor(g, True, block_m, block_e), _descriptor(dki, varlen, block_n, block_e)
     span_tiles = -(-size // block_m) + 1  # query tiles a range of `size` rows can touch
     strides = (0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
-               0 if varlen else problem.seqlen_q, sel_stride, g.stride(0), g.stride(1),
+               0 if varlen else problem.seqlen_q, g.stride(0), g.stride(1),
                0 if varlen else dki.stride(0), dki.stride(-2))
     constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
-    for (lo0, hi0), (lo1, hi1) in row_ranges(rows_total, size):
+    for pair in row_ranges(rows_total, size):
+        (lo0, hi0), (lo1, hi1) = pair
         base0, base1 = block_m, block_m + (hi0 - lo0)
+        if problem.topk > 0:  # the launch's rows' selections, in its workspace rows
+            select(problem, topk_indices, sel[block_m:], pair, table, (block_m, block_n))
         _launch(backward_kernels._backward_kernel, (span_tiles * 2 * k_tiles * problem.batch,), (
             *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, dki_descriptor, dki, sel, table,
             cu_q, cu_k,

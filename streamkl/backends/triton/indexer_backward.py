@@ -39,7 +39,7 @@ from streamkl.backends.triton.indexer_kernels import (
 @triton.jit
 def _backward_kernel(
     Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, G_DESC, G, DKI_DESC, DKI, SEL, TILES, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb, stride_gr, stride_gh,
+    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_gr, stride_gh,
     stride_dkb, stride_dkn,
     lo0, hi0, base0, lo1, hi1, base1,
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, span_tiles,
@@ -88,8 +88,10 @@ def _backward_kernel(
         m_i = (o_i >= r0) & (o_i < r1)
         q_row = q_start + q_tile * BLOCK_M
         m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL) & m_i[:, None]
-        if TOPK:  # the rows' selected keys in the tile: one binary search, then a load for most tiles
-            p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
+        ws_row = flat0 + q_tile * BLOCK_M - lo + base  # workspace row of o_i[0]
+        o_ws = (ws_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+        if TOPK:  # the rows' selected keys in the tile (SEL's rows: the workspace's): one binary
+            p_sel = SEL + o_ws * topk  # search, then a load for most tiles
             sel_end = tl.where(m_i, topk, 0)
             cursor = _lower_bound(p_sel, sel_end, k_tile * BLOCK_N, STEPS_K)
             word0, word1, word2, word3, _, _ = _tile_selection(p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N,
@@ -103,8 +105,6 @@ def _backward_kernel(
         b_g = tl.load(GRAD + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0)
         b_p = tl.exp2(b_z * LOG2E - b_lse[:, None])
         b_dz = tl.where(m_ij, b_g[:, None] * (b_p - b_t), 0.0)  # [BM, BN]
-        ws_row = flat0 + q_tile * BLOCK_M - lo + base  # workspace row of o_i[0]
-        o_ws = (ws_row + tl.arange(0, BLOCK_M)).to(tl.int64)
         b_dki = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
         for t in tl.range(0, index_heads):
             b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])

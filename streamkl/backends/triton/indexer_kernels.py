@@ -62,6 +62,57 @@ def _descriptor_batch(seq, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _window(second, lo0, hi0, lo1, hi1, flat0, len_q):
+    """A launch's row window (flat rows [lo0, hi0), or [lo1, hi1) when `second`) within one sequence
+    whose row 0 is flat row `flat0`: (r0, r1) its rows in the sequence, and `shift` that maps a
+    sequence row r to its window row r + shift (the windows' rows one after the other)."""
+    lo = tl.where(second, lo1, lo0)
+    hi = tl.where(second, hi1, hi0)
+    r0 = tl.maximum(lo - flat0, 0)
+    r1 = tl.minimum(hi - flat0, len_q)
+    return r0, r1, flat0 - lo + tl.where(second, hi0 - lo0, 0)
+
+
+@triton.jit
+def _selection_kernel(
+    TOP, SEL, TILES, CU_Q, CU_K, stride_top, lo0, hi0, lo1, batch, seqlen_q, seqlen_k, topk, q_tiles, k_tiles,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TABLE: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_M: tl.constexpr, TILE_N: tl.constexpr,
+):
+    """One program per window row (flat row lo0 + id in the first window, lo1 + id - (hi0 - lo0)
+    after it): the row's selection sorted ascending into SEL's row `id`, the slots it cannot use
+    (-1, past its causal limit, a row of no sequence) BIG_INDEX; with TABLE, a 1 in TILES
+    [S, q_tiles, k_tiles] for every (query tile, key tile) it selects a key of."""
+    w = tl.program_id(0)
+    row = tl.where(w < hi0 - lo0, lo0 + w, lo1 + w - (hi0 - lo0))
+    if VARLEN:  # the sequence: the first of cu_seqlens[1:] past the row
+        first = row * 0 + 1
+        last = row * 0 + batch + 1
+        while first < last:
+            mid = (first + last) // 2
+            past = tl.load(CU_Q + mid) > row
+            first = tl.where(past, first, mid + 1)
+            last = tl.where(past, mid, last)
+        inside = first <= batch
+        seq = tl.minimum(first, batch) - 1
+    else:
+        inside = row >= 0
+        seq = row // seqlen_q
+    q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
+    pos = row - q_start if VARLEN else row % seqlen_q
+    limit = len_k
+    if CAUSAL:
+        limit = tl.minimum(len_k, pos + len_k - len_q + 1)
+    o_k = tl.arange(0, BLOCK_K)
+    keys = tl.load(TOP + row.to(tl.int64) * stride_top + o_k, mask=o_k < topk, other=-1)
+    keys = tl.sort(tl.where((keys >= 0) & (keys < limit) & inside, keys, BIG_INDEX))
+    tl.store(SEL + w.to(tl.int64) * topk + o_k, keys, mask=o_k < topk)
+    if TABLE:
+        tile = (seq.to(tl.int64) * q_tiles + pos // TILE_M) * k_tiles + keys // TILE_N
+        tl.store(TILES + tile, tl.full([BLOCK_K], 1, tl.uint8), mask=keys < BIG_INDEX)
+
+
+@triton.jit
 def _mm(b_a, b_b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """a @ b with float32 accumulation; full float32 (no TF32) for float32 inputs."""
     if INTERPRET:
@@ -195,25 +246,31 @@ def _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_he
 @triton.jit
 def _head_lse_kernel(
     Q_DESC, K_DESC, LSE, SEL, CU_Q, CU_K,
-    stride_lb, stride_lh, stride_sb,
-    seqlen_q, seqlen_k, heads, group, qk_scale, topk, q_tiles,
+    stride_lb, stride_lh,
+    lo0, hi0, lo1, hi1, windows, span_tiles,
+    seqlen_q, seqlen_k, heads, group, qk_scale, topk,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """The teacher's per-head lse over each row's allowed keys: one program per (query tile, seq * head).
-    Top-k: only the key tiles holding a selected key are visited (each row's sorted selection
+    """The teacher's per-head lse over each row's allowed keys of the launch's row windows (one or
+    two): one program per (query tile of a window, head, window, sequence). Top-k: only the key
+    tiles holding a selected key are visited (each row's sorted selection, SEL's window row,
     walked by a cursor, the next such tile its smallest next key)."""
-    q_tile, rest = _tile_order(tl.program_id(0), q_tiles, CAUSAL)
-    seq = rest // heads
+    span, rest = _tile_order(tl.program_id(0), span_tiles, CAUSAL)
     h = rest % heads
+    rest = rest // heads
+    second = (windows == 2) & (rest % windows == 0)  # the later rows first
+    seq = rest // windows
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
     desc_b = _descriptor_batch(seq, VARLEN)
+    r0, r1, shift = _window(second, lo0, hi0, lo1, hi1, q_start if VARLEN else seq * seqlen_q, len_q)
+    q_tile = r0 // BLOCK_M + span
     o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_i = o_i < len_q
-    if q_tile * BLOCK_M < len_q:
+    m_i = (o_i >= r0) & (o_i < r1)
+    if (r0 < r1) & (q_tile * BLOCK_M < r1):
         seq64 = seq.to(tl.int64)
-        p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
+        p_sel = SEL + (o_i + shift).to(tl.int64) * topk
         sel_end = tl.where(m_i, topk, 0)
         cursor = o_i * 0
         next_tile = 0
@@ -251,36 +308,42 @@ def _head_lse_kernel(
 @triton.jit
 def _forward_kernel(
     Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, PARTS, SEL, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_sb, stride_pc, stride_ps,
-    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, splits, split_tiles,
+    stride_wb, stride_wn, stride_lb, stride_lh, stride_pc, stride_ps,
+    lo0, hi0, lo1, hi1, windows, span_tiles,
+    seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, splits, split_tiles,
     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Per row, over one split of the key tiles (split s: tiles [s * split_tiles, (s + 1) *
-    split_tiles)): the running max m and sum l of exp2(z), a = sum T log T and b = sum T z, written
-    to PARTS[0..3, s, row] (untouched where the split has no key tile: the host's neutral values).
-    The host merges the splits: lse(z), loss = a - b + lse(z). One program per (query tile,
-    sequence, split); the splits of a query tile are consecutive programs, so the query tile's
-    teacher and indexer queries (all heads) are read from memory once for all of them. Top-k: as
-    the lse kernel, from each row's first selected key in the split (one binary search)."""
+    """Per row of the launch's row windows (one or two), over one split of the key tiles (split s:
+    tiles [s * split_tiles, (s + 1) * split_tiles)): the running max m and sum l of exp2(z),
+    a = sum T log T and b = sum T z, written to PARTS[0..3, s, window row] (untouched where the
+    split has no key tile: the host's neutral values). The host merges the splits: lse(z),
+    loss = a - b + lse(z). One program per (query tile of a window, window, sequence, split); the
+    splits of a query tile are consecutive programs, so the query tile's teacher and indexer
+    queries (all heads) are read from memory once for all of them. Top-k: as the lse kernel, from
+    each row's first selected key in the split (one binary search)."""
     split = tl.program_id(0) % splits
-    q_tile, seq = _tile_order(tl.program_id(0) // splits, q_tiles, CAUSAL)
+    span, rest = _tile_order(tl.program_id(0) // splits, span_tiles, CAUSAL)
+    second = (windows == 2) & (rest % windows == 0)  # the later rows first
+    seq = rest // windows
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
     desc_b = _descriptor_batch(seq, VARLEN)
+    r0, r1, shift = _window(second, lo0, hi0, lo1, hi1, q_start if VARLEN else seq * seqlen_q, len_q)
+    q_tile = r0 // BLOCK_M + span
     o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_i = o_i < len_q
+    m_i = (o_i >= r0) & (o_i < r1)
     k_end = len_k
     if CAUSAL:
         k_end = tl.minimum(len_k, (q_tile + 1) * BLOCK_M + len_k - len_q)
     k_first = split * split_tiles
     k_last = tl.minimum(k_first + split_tiles, tl.cdiv(k_end, BLOCK_N))
-    if (q_tile * BLOCK_M < len_q) & (k_first < k_last):
+    if (r0 < r1) & (q_tile * BLOCK_M < r1) & (k_first < k_last):
         seq64 = seq.to(tl.int64)
         q_row = q_start + q_tile * BLOCK_M
         W += seq64 * stride_wb + q_start.to(tl.int64) * stride_wn
         HEAD_LSE += seq64 * stride_lb + q_start
-        p_sel = SEL + seq64 * stride_sb + (q_start + o_i).to(tl.int64) * topk
+        p_sel = SEL + (o_i + shift).to(tl.int64) * topk
         sel_end = tl.where(m_i, topk, 0)
         cursor = o_i * 0
         next_tile = k_first
@@ -316,7 +379,7 @@ def _forward_kernel(
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
                 b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_z2 - b_ref[:, None]), axis=1)
                 b_m = b_new
-        p_part = PARTS + split * stride_ps + seq64 * stride_rb + q_start + o_i
+        p_part = PARTS + split * stride_ps + o_i + shift
         tl.store(p_part, b_m, mask=m_i)
         tl.store(p_part + stride_pc, b_l, mask=m_i)
         tl.store(p_part + 2 * stride_pc, b_a, mask=m_i)
