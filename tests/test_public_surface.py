@@ -1,7 +1,9 @@
-"""What a user touches first: the package's attributes, `python -m streamkl`, and `varlen.pack`."""
+"""What a user touches first: the package's attributes and installed files, `python -m streamkl`,
+and `varlen.pack`."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import subprocess
 import sys
@@ -26,6 +28,22 @@ def test_package_attributes():
     assert streamkl.__version__.count(".") == 2
     assert (Path(streamkl.__file__).parent / "py.typed").exists()
     assert 'attr = "streamkl._version.__version__"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_every_file_the_package_reads_is_installed():
+    """A wheel holds a package's .py files and what `package-data` names: every other file under
+    streamkl/ (kernel sources and headers the CuPy backend compiles, py.typed) must match it, or an
+    installed (not editable) streamkl lacks it."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    missing = []
+    for path in sorted((ROOT / "streamkl").rglob("*")):
+        if path.is_dir() or path.suffix in (".py", ".pyc") or "__pycache__" in path.parts:
+            continue
+        package = ".".join(path.parent.relative_to(ROOT).parts)
+        if not any(fnmatch.fnmatch(path.name, pattern) for pattern in package_data.get(package, [])):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"not in pyproject's package-data: {missing}"
 
 
 @pytest.mark.parametrize("args", [["--help"], []], ids=["help", "no-command"])
