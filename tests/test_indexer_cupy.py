@@ -18,6 +18,7 @@ from conftest import DEVICE
 
 from streamkl.backends.cupy import CupyBackend, emulate
 from streamkl.backends.cupy import indexer as cupy_indexer
+from streamkl.backends.cupy.source import inline_includes
 from streamkl.indexer import IndexerProblem
 
 _REASONS = CupyBackend().environment_reasons()
@@ -229,6 +230,8 @@ def check_case(case: Case, dtype: torch.dtype, lse_given: bool = False) -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("arch,code", [(80, 0), (80, 1), (90, 2)], ids=["sm80-fp32", "sm80-fp16", "sm90-bf16"])
 def test_indexer_kernels_compile_with_nvcc(arch, code, tmp_path):
+    unit = tmp_path / "indexer.cu"  # the text NVRTC compiles: input.cuh inlined
+    unit.write_text(inline_includes(cupy_indexer.SOURCE))
     result = subprocess.run(
         [
             "nvcc",
@@ -236,7 +239,7 @@ def test_indexer_kernels_compile_with_nvcc(arch, code, tmp_path):
             "-std=c++17",
             f"-DSTREAMKL_INPUT={code}",
             "-c",
-            str(cupy_indexer.SOURCE),
+            str(unit),
             "-o",
             str(tmp_path / "indexer.o"),
         ],

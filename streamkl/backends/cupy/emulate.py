@@ -21,7 +21,8 @@ import numpy as np
 
 ENV_VAR = "STREAMKL_CUPY_EMULATE"
 _HERE = Path(__file__).parent
-_SOURCES = ("kernels.cu", "forward_mma.cuh", "backward_mma.cuh", "warp_ops.cuh", "emulate.h", "emulate.cpp")
+_SOURCES = ("kernels.cu", "input.cuh", "forward_mma.cuh", "backward_mma.cuh", "warp_ops.cuh", "emulate.h",
+            "emulate.cpp")
 
 
 def emulating() -> bool:

@@ -1,8 +1,9 @@
 // streamkl CUDA kernels for the DSA indexer loss (SPEC 8): the forward and the two backward kernels.
 //
 // Compiled by CuPy (NVRTC) once per input dtype with -DSTREAMKL_INPUT=0 (float32), 1 (float16) or
-// 2 (bfloat16); no header is included. Under indexer_emulate.cpp the same file compiles as host C++
-// (STREAMKL_EMULATE) and runs on the CPU for tests.
+// 2 (bfloat16), input.cuh inlined (source.inline_includes); no system header. Under
+// indexer_emulate.cpp the same file compiles as host C++ (STREAMKL_EMULATE) and runs on the CPU
+// for tests.
 //
 // The unit of work is a chunk of IX_CHUNK (query row, key) pairs, the "slots" of the chunk:
 // - indexer_forward and indexer_backward_row: one block per query row; the slots are the row's next
@@ -15,40 +16,7 @@
 // T (the heads' mean probability) and z (the indexer logit). Statistics are float32; every product
 // is a float32 FMA (half inputs are converted exactly on load). Nothing of size Nq x Nk exists.
 
-#ifndef STREAMKL_EMULATE
-#define SK_DEVICE __device__ __forceinline__
-#define SK_DYNAMIC_SMEM(name)                  \
-    extern __shared__ float4 name##_float4[]; \
-    float* name = reinterpret_cast<float*>(name##_float4)
-typedef unsigned long long sk_u64;
-#endif
-
-#ifndef STREAMKL_INPUT
-#define STREAMKL_INPUT 0
-#endif
-
-// ------------------------------------------------------------------------------------ input dtype
-#if STREAMKL_INPUT == 0
-typedef float input_t;
-SK_DEVICE float ix_to_float(float x) { return x; }
-#elif STREAMKL_INPUT == 1
-typedef unsigned short input_t;  // IEEE binary16 bits
-SK_DEVICE float ix_to_float(unsigned short bits) {
-    const unsigned h = bits;
-    const unsigned sign = (h & 0x8000u) << 16;
-    const unsigned exponent = (h >> 10) & 0x1fu;
-    const unsigned mantissa = h & 0x3ffu;
-    if (exponent == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
-    if (exponent == 0u) {  // zero and subnormals: mantissa * 2^-24, exact in float32
-        const float value = (float)mantissa * 5.9604644775390625e-08f;
-        return sign ? -value : value;
-    }
-    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-#else
-typedef unsigned short input_t;  // bfloat16 bits: the high half of a float32
-SK_DEVICE float ix_to_float(unsigned short bits) { return __uint_as_float(((unsigned)bits) << 16); }
-#endif
+#include "input.cuh"
 
 // ------------------------------------------------------------------------------------ parameters
 // One record for the three kernels; indexer.py parses this struct to build the matching NumPy
@@ -199,7 +167,7 @@ SK_DEVICE void ix_chunk_products(const IndexerParams& p, const IxShared& s, int 
                 const input_t* krow = reinterpret_cast<const input_t*>(p.k) + seq * p.k_b +
                                       (long long)(span.k_start + s.slot_key[c]) * p.k_n + (h / p.group) * p.k_h;
                 float dot = 0.0f;
-                for (int d = 0; d < p.dim; ++d) dot += ix_to_float(qrow[d]) * ix_to_float(krow[d]);
+                for (int d = 0; d < p.dim; ++d) dot += to_float(qrow[d]) * to_float(krow[d]);
                 value = p.scale * dot;
             }
             s.scores[h * IX_PITCH + c] = value;
@@ -217,7 +185,7 @@ SK_DEVICE void ix_chunk_products(const IndexerParams& p, const IxShared& s, int 
                                        (long long)(span.q_start + i) * p.qi_n + t * p.qi_h;
                 const input_t* kirow = reinterpret_cast<const input_t*>(p.ki) + seq * p.ki_b +
                                        (long long)(span.k_start + s.slot_key[c]) * p.ki_n;
-                for (int d = 0; d < p.index_dim; ++d) dot += ix_to_float(qirow[d]) * ix_to_float(kirow[d]);
+                for (int d = 0; d < p.index_dim; ++d) dot += to_float(qirow[d]) * to_float(kirow[d]);
             }
             s.dots[t * IX_PITCH + c] = dot;
         }
@@ -249,7 +217,7 @@ SK_DEVICE void ix_slot_values(const IndexerParams& p, const IxShared& s, int seq
     float z = 0.0f;
     for (int t = 0; t < p.index_heads; ++t) {
         const float dot = s.dots[t * IX_PITCH + c];
-        z += ix_to_float(wrow[t * p.w_h]) * (dot < 0.0f ? 0.0f : dot);  // relu keeps NaN, as torch does
+        z += to_float(wrow[t * p.w_h]) * (dot < 0.0f ? 0.0f : dot);  // relu keeps NaN, as torch does
     }
     logit = z;
 }
@@ -422,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(IX_THREADS) indexer_backward_row(co
                 if (s.slot_row[c] < 0 || !(s.dots[t * IX_PITCH + c] > 0.0f)) continue;
                 const input_t* kirow = reinterpret_cast<const input_t*>(p.ki) + seq * p.ki_b +
                                        (long long)(span.k_start + s.slot_key[c]) * p.ki_n;
-                sum += s.slot_val[c] * ix_to_float(kirow[d]);
+                sum += s.slot_val[c] * to_float(kirow[d]);
             }
             dqi[t * p.dqi_h + d] += sum;
         }
@@ -433,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(IX_THREADS) indexer_backward_row(co
     for (int t = threadIdx.x; t < p.index_heads; t += IX_THREADS) dw[t * p.dw_h] = s.acc[t];
     for (int item = threadIdx.x; item < items; item += IX_THREADS) {
         const int t = item / p.index_dim;
-        dqi[t * p.dqi_h + (item - t * p.index_dim)] *= ix_to_float(wrow[t * p.w_h]);
+        dqi[t * p.dqi_h + (item - t * p.index_dim)] *= to_float(wrow[t * p.w_h]);
     }
 }
 
@@ -493,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(IX_THREADS) indexer_backward_key(co
             if (row >= 0 && s.dots[t * IX_PITCH + c] > 0.0f) {
                 const input_t* wrow = reinterpret_cast<const input_t*>(p.w) + seq * p.w_b +
                                       (long long)(span.q_start + row) * p.w_n;
-                coefficient = s.slot_val[c] * ix_to_float(wrow[t * p.w_h]);
+                coefficient = s.slot_val[c] * to_float(wrow[t * p.w_h]);
             }
             s.dots[t * IX_PITCH + c] = coefficient;
         }
@@ -507,7 +475,7 @@ extern "C" __global__ void __launch_bounds__(IX_THREADS) indexer_backward_key(co
                                        (long long)(span.q_start + row) * p.qi_n;
                 for (int t = 0; t < p.index_heads; ++t) {
                     const float coefficient = s.dots[t * IX_PITCH + c];
-                    if (coefficient != 0.0f) sum += coefficient * ix_to_float(qirow[t * p.qi_h + d]);
+                    if (coefficient != 0.0f) sum += coefficient * to_float(qirow[t * p.qi_h + d]);
                 }
             }
             s.acc[d] += sum;

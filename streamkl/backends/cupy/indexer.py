@@ -16,7 +16,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import re
 import subprocess
 import tempfile
 import threading
@@ -28,13 +27,14 @@ import torch
 
 from streamkl.backends import base
 from streamkl.backends.cupy import emulate
+from streamkl.backends.cupy.source import inline_includes, record_dtype
 
 if TYPE_CHECKING:
     from streamkl.indexer import IndexerProblem
 
 _HERE = Path(__file__).parent
 SOURCE = _HERE / "indexer.cu"
-_EMULATOR_SOURCES = ("indexer.cu", "indexer_emulate.cpp", "emulate.h")
+_EMULATOR_SOURCES = ("indexer.cu", "input.cuh", "indexer_emulate.cpp", "emulate.h")
 KERNELS = ("indexer_forward", "indexer_backward_row", "indexer_backward_key")
 THREADS = 128  # IX_THREADS
 CHUNK = 64  # IX_CHUNK
@@ -43,27 +43,13 @@ MAX_INDEX_DIM = 128
 MAX_INDEX_HEADS = 64
 MAX_GRID_Y = 65535
 INPUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # STREAMKL_INPUT
-_C_TYPES = {"sk_u64": np.uint64, "long long": np.int64, "int": np.int32, "float": np.float32}
 
 
 # ---------------------------------------------------------------------------------- the record
 @functools.lru_cache(maxsize=1)
 def params_dtype() -> np.dtype:
     """The NumPy record matching `struct IndexerParams` of indexer.cu, field for field."""
-    body = re.search(r"struct IndexerParams \{(.*?)\n\};", SOURCE.read_text(), re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    names, formats = [], []
-    for declaration in body.split(";"):
-        declaration = " ".join(declaration.split())
-        if not declaration:
-            continue
-        match = re.fullmatch(r"(sk_u64|long long|int|float) (.+)", declaration)
-        if match is None:
-            raise RuntimeError(f"indexer.cu: unexpected IndexerParams field declaration {declaration!r}")
-        for name in match.group(2).split(","):
-            names.append(name.strip())
-            formats.append(_C_TYPES[match.group(1)])
-    return np.dtype({"names": names, "formats": formats}, align=True)
+    return record_dtype(SOURCE, "IndexerParams")
 
 
 def shared_bytes(heads: int, index_heads: int, index_dim: int) -> int:
@@ -119,14 +105,14 @@ def not_supported_reasons(problem: IndexerProblem) -> list[str]:
 # ---------------------------------------------------------------------------------- compile, launch
 @functools.cache
 def _functions(input_code: int, device_index: int):
-    """The three kernels for one input dtype on one device, compiled once (NVRTC, no headers),
-    each allowed the device's largest dynamic shared memory."""
+    """The three kernels for one input dtype on one device, compiled once (NVRTC, input.cuh
+    inlined), each allowed the device's largest dynamic shared memory."""
     import cupy
 
     from streamkl.backends.cupy.launch import shared_memory_limit
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"))
+        module = cupy.RawModule(code=inline_includes(SOURCE), options=("--std=c++17", f"-DSTREAMKL_INPUT={input_code}"))
         try:
             functions = {name: module.get_function(name) for name in KERNELS}
         except Exception as exc:

@@ -1,12 +1,12 @@
 // streamkl CUDA kernels: the FMA forward and the two FMA backward kernels (q-major dq, key-major dk).
 //
 // Compiled by CuPy (NVRTC) once per input dtype with -DSTREAMKL_INPUT=0 (float32), 1 (float16) or
-// 2 (bfloat16); no system header is included, so NVRTC needs no CUDA include path, and launch.py
-// inlines the local includes (forward_mma.cuh, backward_mma.cuh, warp_ops.cuh) so that CuPy's cache
-// keys on the whole text. The same file also compiles as host C++ under emulate.h
-// (STREAMKL_EMULATE), which runs it on the CPU for tests. float16 / bfloat16 inputs take the
-// tensor-core kernels of forward_mma.cuh and backward_mma.cuh; the kernels below serve float32
-// (exact FMA).
+// 2 (bfloat16); no system header is included, so NVRTC needs no CUDA include path, and the local
+// includes (input.cuh, forward_mma.cuh, backward_mma.cuh, warp_ops.cuh) are inlined
+// (source.inline_includes) so that CuPy's cache keys on the whole text. The same file also
+// compiles as host C++ under emulate.h (STREAMKL_EMULATE), which runs it on the CPU for tests.
+// float16 / bfloat16 inputs take the tensor-core kernels of forward_mma.cuh and backward_mma.cuh;
+// the kernels below serve float32 (exact FMA).
 //
 // Layout of the work: 256 threads per block, each thread owns one row (a query row in the forward
 // and dq kernels, a key row in the dk kernel) and one "part" of the other side's tile. A thread
@@ -21,40 +21,7 @@
 // (launch.forward_variant; 64 x 64 for the tensor-core backward). KLParams below is the single source of truth for the argument layout:
 // launch.py parses this struct to build the matching NumPy record.
 
-#ifndef STREAMKL_EMULATE
-#define SK_DEVICE __device__ __forceinline__
-#define SK_DYNAMIC_SMEM(name)                  \
-    extern __shared__ float4 name##_float4[]; \
-    float* name = reinterpret_cast<float*>(name##_float4)
-typedef unsigned long long sk_u64;
-#endif
-
-#ifndef STREAMKL_INPUT
-#define STREAMKL_INPUT 0
-#endif
-
-// ------------------------------------------------------------------------------------ input dtype
-#if STREAMKL_INPUT == 0
-typedef float input_t;
-SK_DEVICE float to_float(float x) { return x; }
-#elif STREAMKL_INPUT == 1
-typedef unsigned short input_t;  // IEEE binary16 bits
-SK_DEVICE float to_float(unsigned short bits) {
-    const unsigned h = bits;
-    const unsigned sign = (h & 0x8000u) << 16;
-    const unsigned exponent = (h >> 10) & 0x1fu;
-    const unsigned mantissa = h & 0x3ffu;
-    if (exponent == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
-    if (exponent == 0u) {  // zero and subnormals: mantissa * 2^-24, exact in float32
-        const float value = (float)mantissa * 5.9604644775390625e-08f;
-        return sign ? -value : value;
-    }
-    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-#else
-typedef unsigned short input_t;  // bfloat16 bits: the high half of a float32
-SK_DEVICE float to_float(unsigned short bits) { return __uint_as_float(((unsigned)bits) << 16); }
-#endif
+#include "input.cuh"
 
 // ------------------------------------------------------------------------------------ parameters
 // One record for all three kernels. 8-byte fields first, then 4-byte ones, so the C layout and the

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +20,11 @@ import torch
 
 from streamkl.backends.base import new_outputs, write_tail_rows
 from streamkl.backends.cupy import emulate
+from streamkl.backends.cupy.source import inline_includes, record_dtype
 from streamkl.problem import Problem, SideMask
 from streamkl.sparse.schedule import TileSchedule, get_key_schedule, get_schedule
 
 SOURCE = Path(__file__).with_name("kernels.cu")
-_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.M)
-_PRAGMA_ONCE = re.compile(r"^#pragma once[ \t]*$", re.M)  # each file is inlined once; not in a main file
 BLOCK_Q, BLOCK_K = 64, 32  # the schedule tile the kernels walk (SK_BLOCK_Q, SK_BLOCK_K)
 THREADS = 256
 BWD_ROWS = 32  # rows per backward block (SK_BWD_ROWS)
@@ -34,47 +32,19 @@ MAX_HEAD_DIM = 256
 MAX_GRID_Y = 65535
 INPUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # STREAMKL_INPUT
 KERNELS = ("kl_forward", "kl_backward_dq", "kl_backward_dk")
-_C_TYPES = {"sk_u64": np.uint64, "long long": np.int64, "int": np.int32, "float": np.float32}
 
 
 # ---------------------------------------------------------------------------------- the record
 @functools.lru_cache(maxsize=1)
 def params_dtype() -> np.dtype:
     """The NumPy record matching `struct KLParams` of kernels.cu, field for field."""
-    text = SOURCE.read_text()
-    body = re.search(r"struct KLParams \{(.*?)\n\};", text, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    names, formats = [], []
-    for declaration in body.split(";"):
-        declaration = " ".join(declaration.split())
-        if not declaration:
-            continue
-        match = re.fullmatch(r"(sk_u64|long long|int|float) (.+)", declaration)
-        if match is None:
-            raise RuntimeError(f"kernels.cu: unexpected KLParams field declaration {declaration!r}")
-        for name in match.group(2).split(","):
-            names.append(name.strip())
-            formats.append(_C_TYPES[match.group(1)])
-    return np.dtype({"names": names, "formats": formats}, align=True)
+    return record_dtype(SOURCE, "KLParams")
 
 
 @functools.lru_cache(maxsize=1)
 def source_text() -> str:
-    """kernels.cu with its local includes inlined (each once), the text NVRTC compiles: CuPy's
-    on-disk cache keys on it, so a change in any included file recompiles."""
-    seen: set[str] = set()
-
-    def expand(text: str) -> str:
-        def inline(match: re.Match) -> str:
-            name = match.group(1)
-            if name in seen:
-                return ""
-            seen.add(name)
-            return expand(_PRAGMA_ONCE.sub("", (SOURCE.parent / name).read_text()))
-
-        return _INCLUDE.sub(inline, text)
-
-    return expand(SOURCE.read_text())
+    """kernels.cu with its local includes inlined, the text NVRTC compiles."""
+    return inline_includes(SOURCE)
 
 
 @dataclass(frozen=True)
