@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -50,43 +51,39 @@ def reasons() -> list[str]:
     return []
 
 
-@functools.cache
-def _library(input_code: int, variant: tuple[int, ...] | None = None,
-             backward: tuple[int, ...] | None = None) -> ctypes.CDLL:
-    """The kernels for one input dtype; with `variant`, also the tensor-core forward
-    kl_forward_mma<variant> (launched as kernel 3); with `backward` (D1P, D2P, STAGES), the
-    tensor-core backward kernels of those head dims (kernels 4-9)."""
+def build(stem: str, entry: str, sources: tuple[str, ...], defines: tuple[str, ...]) -> ctypes.CDLL:
+    """The emulator library of the host C++ file `entry` (next to this module) compiled with
+    `defines`, kept on disk under a digest of `sources` (every file it includes) and the defines;
+    its `emu_launch(kernel, grid x, y, z, threads, shared bytes, params)` typed."""
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in sources:
         digest.update((_HERE / name).read_bytes())
-    digest.update(f"{input_code}/{variant}/{backward}".encode())
+    digest.update("\0".join(defines).encode())
     cache = Path(tempfile.gettempdir()) / "streamkl-cupy-emulate"
     cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"kernels-{digest.hexdigest()[:16]}-{input_code}.so"
-    if not target.exists():
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        command = [
-            compiler(),
-            "-std=c++20",
-            "-O2",
-            "-shared",
-            "-fPIC",
-            "-pthread",
-            "-fno-strict-aliasing",
-            "-Wno-unknown-pragmas",
-            f"-DSTREAMKL_INPUT={input_code}",
-            *([f"-DSK_MMA_VARIANT={','.join(map(str, variant))}"] if variant else []),
-            *([f"-DSK_MMA_BACKWARD={','.join(map(str, backward))}"] if backward else []),
-            str(_HERE / "emulate.cpp"),
-            "-o",
-            str(partial),
-        ]
+    target = cache / f"{stem}-{digest.hexdigest()[:16]}.so"
+    if not target.exists():  # built by one writer per (process, thread), then renamed into place
+        partial = target.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
+        command = [compiler(), "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing",
+                   "-Wno-unknown-pragmas", *defines, str(_HERE / entry), "-o", str(partial)]
         subprocess.run(command, check=True, capture_output=True, text=True)
         partial.replace(target)
     library = ctypes.CDLL(str(target))
     library.emu_launch.argtypes = [ctypes.c_int] * 5 + [ctypes.c_longlong, ctypes.c_void_p]
     library.emu_launch.restype = None
     return library
+
+
+@functools.cache
+def _library(input_code: int, variant: tuple[int, ...] | None = None,
+             backward: tuple[int, ...] | None = None) -> ctypes.CDLL:
+    """The kernels for one input dtype; with `variant`, also the tensor-core forward
+    kl_forward_mma<variant> (launched as kernel 3); with `backward` (D1P, D2P, STAGES), the
+    tensor-core backward kernels of those head dims (kernels 4-9)."""
+    defines = (f"-DSTREAMKL_INPUT={input_code}",
+               *([f"-DSK_MMA_VARIANT={','.join(map(str, variant))}"] if variant else []),
+               *([f"-DSK_MMA_BACKWARD={','.join(map(str, backward))}"] if backward else []))
+    return build(f"kernels-{input_code}", "emulate.cpp", _SOURCES, defines)
 
 
 def launch(

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -135,33 +131,8 @@ _EMULATOR_LOCK = threading.Lock()
 
 @functools.cache
 def _emulator(input_code: int) -> ctypes.CDLL:
-    digest = hashlib.sha256()
-    for name in _EMULATOR_SOURCES:
-        digest.update((_HERE / name).read_bytes())
-    digest.update(str(input_code).encode())
-    cache = Path(tempfile.gettempdir()) / "streamkl-cupy-emulate"
-    cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"indexer-{digest.hexdigest()[:16]}-{input_code}.so"
-    if not target.exists():
-        partial = target.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
-        command = [
-            emulate.compiler(),
-            "-std=c++20",
-            "-O2",
-            "-shared",
-            "-fPIC",
-            "-pthread",
-            "-Wno-unknown-pragmas",
-            f"-DSTREAMKL_INPUT={input_code}",
-            str(_HERE / "indexer_emulate.cpp"),
-            "-o",
-            str(partial),
-        ]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        partial.replace(target)
-    library = ctypes.CDLL(str(target))
-    library.emu_launch.argtypes = [ctypes.c_int] * 5 + [ctypes.c_longlong, ctypes.c_void_p]
-    library.emu_launch.restype = None
+    library = emulate.build(f"indexer-{input_code}", "indexer_emulate.cpp", _EMULATOR_SOURCES,
+                            (f"-DSTREAMKL_INPUT={input_code}",))
     if library.emu_params_size() != params_dtype().itemsize:
         raise RuntimeError("IndexerParams layout differs between indexer.cu and indexer.py")
     return library
