@@ -44,7 +44,8 @@ SCRIPT = "attention_transfer"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.example_parser(__doc__)
+    quick = "tiny run for smoke tests: few paragraphs, few steps"
+    parser = common.example_parser(__doc__, SCRIPT, lr=3e-3, quick=quick)
     parser.add_argument("--layer", type=int, default=5, help="teacher layer whose attention is copied (0..5)")
     parser.add_argument("--student-heads", type=int, default=12, help="student heads (teacher: 12)")
     parser.add_argument("--student-dim", type=int, default=8, help="student head dim (teacher: 32)")
@@ -52,11 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-paragraphs", type=int, default=0, help="use at most this many paragraphs (0: all)")
     parser.add_argument("--steps", type=int, default=200, help="training steps")
     parser.add_argument("--tokens-per-step", type=int, default=2048, help="packed tokens per training step")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation interval, steps")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument("--out", default=common.default_output(SCRIPT), help="output directory")
-    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests: few paragraphs, few steps")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_paragraphs = args.max_paragraphs or 64

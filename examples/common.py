@@ -28,8 +28,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """`--help` shows every option's default and keeps the description's line breaks."""
 
 
-def example_parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments both examples share: device, streamkl backend, dtype of the q/k."""
+def example_parser(doc: str, script: str, *, lr: float, quick: str) -> argparse.ArgumentParser:
+    """The arguments every example shares: device, streamkl backend, dtype of the q/k, learning
+    rate (default `lr`), seed, output directory (runs/<script>), and `--quick` (help: `quick`)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
     parser.add_argument("--backend", default=None, help="streamkl backend; None: $STREAMKL_BACKEND, else auto")
@@ -39,6 +40,10 @@ def example_parser(doc: str) -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="dtype of the q/k fed to streamkl (the statistics are float32 either way)",
     )
+    parser.add_argument("--lr", type=float, default=lr, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--out", default=default_output(script), help="output directory")
+    parser.add_argument("--quick", action="store_true", help=quick)
     return parser
 
 

@@ -43,16 +43,10 @@ from sparse_distill import encode_long, teacher_qk  # noqa: E402
 import streamkl  # noqa: E402
 
 SCRIPT = "dsa_indexer"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / SCRIPT
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
-    parser.add_argument("--backend", default=None, help="streamkl backend (None: $STREAMKL_BACKEND, else auto)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="dtype of the tensors fed to streamkl (statistics are float32 either way)")
+    parser = common.example_parser(__doc__, SCRIPT, lr=3e-3, quick="tiny run for smoke tests (256 tokens, 2 + 2 steps)")
     parser.add_argument("--layer", type=int, default=1, help="teacher layer (0..5)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per training crop and held-out stretch")
     parser.add_argument("--topk", type=int, default=64, help="keys each query selects")
@@ -62,10 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sparse-steps", type=int, default=60, help="steps of the top-k stage")
     parser.add_argument("--train-tokens", type=int, default=0,
                         help="tokens of the manual to draw training crops from (0: 8 x seq-len)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory")
-    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests (256 tokens, 2 + 2 steps)")
     args = parser.parse_args(argv)
     if args.quick:
         args.seq_len, args.topk = min(args.seq_len, 256), min(args.topk, 16)

@@ -62,7 +62,7 @@ WINDOW = 510  # MiniLM's 512 positions minus [CLS] and [SEP]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = common.example_parser(__doc__)
+    parser = common.example_parser(__doc__, SCRIPT, lr=5e-3, quick="tiny run for smoke tests: short context, few steps")
     parser.add_argument("--layer", type=int, default=1, help="teacher layer (0..5)")
     parser.add_argument("--seq-len", type=int, default=1024, help="context length (a multiple of --block-size)")
     parser.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256], help="mask block size")
@@ -82,11 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=40, help="training steps")
     parser.add_argument("--batch", type=int, default=1, help="random crops per training step")
-    parser.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate")
     parser.add_argument("--eval-every", type=int, default=10, help="held-out evaluation interval, steps")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument("--out", default=common.default_output(SCRIPT), help="output directory")
-    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests: short context, few steps")
     args = parser.parse_args(argv)
     if args.quick:
         args.seq_len = min(args.seq_len, 256)
