@@ -267,10 +267,12 @@ def test_varlen(lens, tail, causal, topk, dtype):
         check(name, grad.float(), ref, grad_tol)
 
 
-def test_select_sorts_and_marks_tiles():
+@pytest.mark.parametrize("by_sort", [False, True], ids=["kernel", "torch-sort"])
+def test_select_sorts_and_marks_tiles(by_sort):
     """`select` on packed sequences (an empty one, rows of no sequence at the end), for two row
     windows that cut sequences: each window row's keys ascending, the unusable ones (-1, past the
-    causal limit, rows of no sequence) BIG_INDEX; the table marks exactly the selected tiles."""
+    causal limit, rows of no sequence) BIG_INDEX; the table marks exactly the selected tiles. Both
+    ways: the sorting kernel, and torch's sort (what serves K past MAX_TOPK)."""
     lens, tail, K, tile = [5, 0, 40, 17], 3, 12, (16, 8)
     cu = torch.tensor([0, 5, 5, 45, 62], dtype=torch.int32, device=DEVICE)
     total = sum(lens) + tail
@@ -280,7 +282,10 @@ def test_select_sorts_and_marks_tiles():
     pair = ((3, 30), (44, total))
     sel = torch.full((total, K), 7, dtype=torch.int32, device=DEVICE)
     table = torch.zeros(4 * 3 * 5, dtype=torch.uint8, device=DEVICE)  # 4 sequences, 3 x 5 tiles of 16 x 8
-    triton_indexer.select(problem, top, sel, pair, table, tile)
+    if by_sort:
+        triton_indexer._select_by_sort(problem, top, sel, pair, table, tile)
+    else:
+        triton_indexer.select(problem, top, sel, pair, table, tile)
     expected_table = torch.zeros_like(table)
     rows = [*range(3, 30), *range(44, total)]
     for slot, row in enumerate(rows):

@@ -46,7 +46,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DIM, MAX_INDEX_DIM, MAX_INDEX_HEADS, MAX_HEADS = 256, 128, 64, 128
-MAX_TOPK = 1 << 15  # `select` sorts a row's selection in one program (128 KiB of shared memory at this K)
+MAX_TOPK = 1 << 15  # `select` sorts a row's selection in one program up to this K; past it, torch's sort
 
 
 def _interpreting() -> bool:
@@ -90,8 +90,6 @@ def not_supported_reasons(problem) -> list[str]:
         reasons.append(f"indexer heads {problem.index_heads} > {MAX_INDEX_HEADS}")
     if problem.heads > MAX_HEADS:
         reasons.append(f"teacher heads {problem.heads} > {MAX_HEADS}")
-    if problem.topk > MAX_TOPK:
-        reasons.append(f"top-k of {problem.topk} keys a row > {MAX_TOPK}")
     return reasons
 
 
@@ -207,6 +205,9 @@ def select(problem, topk_indices: torch.Tensor, sel: torch.Tensor, pair, table: 
     if rows == 0:
         return
     top = topk_indices.reshape(-1, problem.topk)
+    if problem.topk > MAX_TOPK:  # more keys than one program sorts in registers
+        _select_by_sort(problem, top, sel, pair, table, tile)
+        return
     cu_q, cu_k = _sequence_args(problem, sel.device)
     block_k = _pow2(problem.topk)
     q_tiles, k_tiles = -(-problem.seqlen_q // tile[0]), -(-problem.seqlen_k // tile[1])
@@ -215,6 +216,25 @@ def select(problem, topk_indices: torch.Tensor, sel: torch.Tensor, pair, table: 
         max(problem.seqlen_q, 1), problem.seqlen_k, problem.topk, q_tiles, k_tiles,
         CAUSAL=problem.causal, VARLEN=problem.is_varlen, TABLE=table is not None, BLOCK_K=block_k,
         TILE_M=tile[0], TILE_N=tile[1], num_warps=min(16, max(4, block_k // 256)))
+
+
+def _select_by_sort(problem, top: torch.Tensor, sel: torch.Tensor, pair, table: torch.Tensor | None,
+                    tile: tuple[int, int]) -> None:
+    """`select` by torch ops (a sort of the launch's rows: temporaries of their size), for K past
+    MAX_TOPK; `top` is [rows, K]."""
+    (lo0, hi0), (lo1, hi1) = pair
+    device = sel.device
+    rows = torch.cat([torch.arange(lo0, hi0, device=device), torch.arange(lo1, hi1, device=device)])
+    seq, pos, len_q, len_k, inside = _rows_of_sequences(problem, rows)
+    raw = top[rows].to(torch.int32)
+    limit = len_k if not problem.causal else torch.minimum(len_k, pos + len_k - len_q + 1)
+    bad = (raw < 0) | (raw >= limit[:, None]) | ~inside[:, None]
+    ordered = torch.sort(torch.where(bad, BIG_INDEX, raw), dim=1).values
+    sel[: len(rows)] = ordered
+    if table is not None:
+        q_tiles, k_tiles = -(-problem.seqlen_q // tile[0]), -(-problem.seqlen_k // tile[1])
+        flat = ((seq * q_tiles + pos // tile[0]) * k_tiles)[:, None] + ordered // tile[1]
+        table[flat[ordered < BIG_INDEX]] = 1
 
 
 #: a top-k forward launch's smallest windows: enough query tiles to fill the GPU. On an H100 at
