@@ -494,6 +494,20 @@ def test_gpu_non_finite_key_stays_in_its_rows():
     torch.testing.assert_close(dw_bad[0, :512], dw[0, :512], rtol=2e-2, atol=1e-4)
 
 
+def _peak_beyond_inputs(q, k, qi, ki, w, top):
+    """One causal forward and backward on the GPU: (loss rows, the peak bytes allocated beyond the
+    inputs, the gradients' bytes with dki counted as its float32 accumulator)."""
+    problem = make_problem(q, k, qi, ki, top, True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
+    grads = triton_indexer.backward(problem, q, k, qi, ki, w, top, head_lse, index_lse, torch.ones_like(loss))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    return loss, extra, sum(g.numel() * g.element_size() for g in grads) + ki.numel() * 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_topk_memory_is_linear():
@@ -505,15 +519,7 @@ def test_gpu_topk_memory_is_linear():
     q, k, qi, ki, w = inputs((1, N), (1, N), H, H, D, Hi, Di, torch.bfloat16)
     rows = torch.arange(N, device=DEVICE)[:, None]
     top = (torch.rand(N, K, device=DEVICE) * (rows + 1)).to(torch.int32).view(1, N, K)  # causal positions
-    problem = make_problem(q, k, qi, ki, top, True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, top)
-    grads = triton_indexer.backward(problem, q, k, qi, ki, w, top, head_lse, index_lse, torch.ones_like(loss))
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    gradient_bytes = sum(g.numel() * g.element_size() for g in grads) + ki.numel() * 4
+    loss, extra, gradient_bytes = _peak_beyond_inputs(q, k, qi, ki, w, top)
     print(f"top-k extra besides gradients: {(extra - gradient_bytes) / (N * H):.2f} B per (row, head)")
     smallest_windows = 2 * triton_indexer.MIN_WINDOW_ROWS * (4 * K + 16 * 16)  # 16 splits at most
     assert extra <= gradient_bytes + 16 * N * H + smallest_windows, (extra - gradient_bytes) / (N * H)
@@ -527,14 +533,6 @@ def test_gpu_dense_memory_is_linear():
     beyond the inputs and the gradients (dki counted as its float32 accumulator)."""
     N, H, D, Hi, Di = 32768, 64, 128, 64, 128
     q, k, qi, ki, w = inputs((1, N), (1, N), H, H, D, Hi, Di, torch.bfloat16)
-    problem = make_problem(q, k, qi, ki, None, True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    loss, head_lse, index_lse = triton_indexer.forward(problem, q, k, qi, ki, w, None, None)
-    grads = triton_indexer.backward(problem, q, k, qi, ki, w, None, head_lse, index_lse, torch.ones_like(loss))
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    gradient_bytes = sum(g.numel() * g.element_size() for g in grads) + ki.numel() * 4
+    loss, extra, gradient_bytes = _peak_beyond_inputs(q, k, qi, ki, w, None)
     assert extra <= gradient_bytes + 16 * N * H, (extra - gradient_bytes) / (N * H)
     assert math.isfinite(loss.sum().item())
