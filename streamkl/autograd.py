@@ -154,24 +154,28 @@ class _KL(torch.autograd.Function):
     torch.compile take it alike. `call` is the front end's (Problem, Backend) when nobody traces the
     call (`_direct`): the ops' implementations then run without the dispatcher's round trip and
     a second description of the problem. Under torch.compile, a dispatch mode or tensor subclasses
-    it is None and the ops run with their packed arguments. The reduction happens here, so the
+    it is None and the ops run with their packed arguments, which follow it (a direct call passes
+    none: each argument of `apply` costs host time). The reduction happens here, so the
     graph holds one node, and the backward reads a reduced loss's gradient as one value expanded
     over the rows. There is no second derivative: under create_graph=True the gradients carry
     `_NoSecondDerivative`, so a double backward raises rather than dropping terms."""
 
     @staticmethod
-    def forward(ctx, q1, k1, q2, k2, reduction, count, call, cu_q, cu_k, mask1, mask2, ints, floats):
+    def forward(ctx, q1, k1, q2, k2, reduction, count, call, *packed):
+        # packed: pack_problem's (cu_q, cu_k, mask1, mask2, ints, floats) where `call` is None; empty
+        # otherwise (each argument of apply costs host time)
         if call is not None:
             kl_rows, lse1, lse2, expect = run_forward(*call, q1, k1, q2, k2)
+            tables, ints, floats = (), None, None
         else:
-            kl_rows, lse1, lse2, expect = torch.ops.streamkl.kl_forward(
-                q1, k1, q2, k2, cu_q, cu_k, mask1, mask2, ints, floats)
+            kl_rows, lse1, lse2, expect = torch.ops.streamkl.kl_forward(q1, k1, q2, k2, *packed)
+            tables, ints, floats = packed[:4], packed[4], packed[5]
         # E enters only side 1's gradients (dS1 = g p (d - E)): for a detached teacher lse1 stands in
         # for it (same shape, never read for side 2), so the forward keeps 8 bytes a (row, head), not 12
         needs = ctx.needs_input_grad
         saved_expect = lse1 if not needs[0] and not needs[1] else expect
-        ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, saved_expect, cu_q, cu_k, mask1, mask2)
-        ctx.call, ctx.ints, ctx.floats = call, ints, floats
+        ctx.save_for_backward(q1, k1, q2, k2, lse1, lse2, saved_expect, *tables)
+        ctx.call, ctx.ints, ctx.floats, ctx.packed = call, ints, floats, len(packed)
         ctx.reduction, ctx.count, ctx.row_shape = reduction, count, kl_rows.shape
         ctx.mark_non_differentiable(lse1, lse2)
         ctx.set_materialize_grads(False)
@@ -179,29 +183,32 @@ class _KL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse1, grad_lse2):
-        needs = [bool(n) for n in ctx.needs_input_grad[:4]]
-        if grad_out is None or not any(needs):
-            return (None,) * 13
-        q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2 = ctx.saved_tensors
+        need_q1, need_k1, need_q2, need_k2 = ctx.needs_input_grad[:4]
+        needs = [need_q1, need_k1, need_q2, need_k2]
+        rest = (None,) * (3 + ctx.packed)  # reduction, count, call and the packed problem
+        if grad_out is None or not (need_q1 or need_k1 or need_q2 or need_k2):
+            return (None,) * 4 + rest
+        q1, k1, q2, k2, lse1, lse2, expect, *tables = ctx.saved_tensors
         # a reduced loss: its gradient one value over the rows (stride 0), as DivBackward and
         # SumBackward would have made it
         if ctx.reduction == "mean":
             grad_out = grad_out / ctx.count
         grad_rows = grad_out if ctx.reduction == "none" else grad_out.expand(ctx.row_shape)
-        grad_mode = torch.is_grad_enabled()  # on only under create_graph=True
-        with torch.no_grad() if grad_mode else _NO_CONTEXT:  # the op has no derivative: a second one raises
-            if ctx.call is not None:
-                grads = run_backward(*ctx.call, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)
-            else:
-                grads = torch.ops.streamkl.kl_backward(
-                    grad_rows, q1, k1, q2, k2, lse1, lse2, expect, cu_q, cu_k, mask1, mask2, ctx.ints, ctx.floats,
-                    needs)
-        if not grad_mode:  # the usual backward
-            return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 9
+        if ctx.call is not None:
+            run = lambda: run_backward(*ctx.call, grad_rows, q1, k1, q2, k2, lse1, lse2, expect, needs)  # noqa: E731
+        else:
+            run = lambda: torch.ops.streamkl.kl_backward(  # noqa: E731
+                grad_rows, q1, k1, q2, k2, lse1, lse2, expect, *tables, ctx.ints, ctx.floats, needs)
+        if not torch.is_grad_enabled():  # the usual backward (grad mode is on only under create_graph=True)
+            dq1, dk1, dq2, dk2 = run()
+            return (dq1 if need_q1 else None, dk1 if need_k1 else None, dq2 if need_q2 else None,
+                    dk2 if need_k2 else None, *rest)
+        with torch.no_grad():  # the op has no derivative: a second one raises
+            grads = run()
         anchor = next(t for t, need in zip((q1, k1, q2, k2), needs) if need)  # requires grad: records the node
         wanted = _NoSecondDerivative.apply(anchor, *(g for g, need in zip(grads, needs) if need))
         wanted = iter(wanted if isinstance(wanted, tuple) else (wanted,))
-        return tuple(next(wanted) if need else None for need in needs) + (None,) * 9
+        return tuple(next(wanted) if need else None for need in needs) + rest
 
 
 def _reduce(kl_rows: torch.Tensor, reduction: str, count) -> torch.Tensor:
@@ -236,28 +243,27 @@ torch.library.register_fake("streamkl::kl_backward", _backward_fake, lib=_LIBRAR
 def kl_forward(problem: Problem, impl: Backend, q1, k1, q2, k2, reduction: str) -> tuple:
     """(the KL reduced per `reduction`, lse1, lse2) of a validated problem, differentiable in q1,
     k1, q2, k2 (the lse are not)."""
-    cu_q, cu_k, pattern1, pattern2, ints, floats = pack_problem(problem, impl.name)
     count = mean_count(problem) if reduction == "mean" else 1
-    tensors = (q1, k1, q2, k2)
+    direct = _direct(q1, k1, q2, k2)
     if torch.is_grad_enabled() and (q1.requires_grad or k1.requires_grad or q2.requires_grad or k2.requires_grad):
-        call = (problem, impl) if _direct(tensors) else None
+        if direct:
+            return _KL.apply(q1, k1, q2, k2, reduction, count, (problem, impl))
         if torch.compiler.is_compiling():  # dynamo refuses a tensor passed twice to an autograd Function
-            q1, k1, q2, k2 = _distinct(tensors)
-        return _KL.apply(q1, k1, q2, k2, reduction, count, call, cu_q, cu_k, pattern1, pattern2, ints, floats)
-    if _direct(tensors):
+            q1, k1, q2, k2 = _distinct((q1, k1, q2, k2))
+        return _KL.apply(q1, k1, q2, k2, reduction, count, None, *pack_problem(problem, impl.name))
+    if direct:
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:
             kl_rows, lse1, lse2, _ = run_forward(problem, impl, q1, k1, q2, k2)
     else:
-        kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(q1, k1, q2, k2, cu_q, cu_k, pattern1, pattern2, ints,
-                                                              floats)
+        kl_rows, lse1, lse2, _ = torch.ops.streamkl.kl_forward(q1, k1, q2, k2, *pack_problem(problem, impl.name))
     return _reduce(kl_rows, reduction, count), lse1, lse2
 
 
-def _direct(tensors: tuple) -> bool:
+def _direct(q1, k1, q2, k2) -> bool:
     """Whether the ops' implementations may run without the dispatcher: plain tensors, nothing
     tracing (torch.compile, a dispatch mode such as make_fx's or FlopCounterMode)."""
-    return (all(t.__class__ in _PLAIN for t in tensors) and not torch.compiler.is_compiling()
-            and not dispatch_modes_active())
+    return (q1.__class__ in _PLAIN and k1.__class__ in _PLAIN and q2.__class__ in _PLAIN and k2.__class__ in _PLAIN
+            and not torch.compiler.is_compiling() and not dispatch_modes_active())
 
 
 def _distinct(tensors: tuple) -> tuple:

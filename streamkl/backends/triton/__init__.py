@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -94,19 +93,26 @@ class TritonBackend(Backend):
     def tile_sizes(self, problem: Problem) -> tuple[int, int]:
         from streamkl.backends.triton.common import interpreting
 
-        masks = tuple((m.block_q, m.block_k) for m in (problem.mask1, problem.mask2) if m is not None)
+        mask1, mask2 = problem.mask1, problem.mask2
+        masks = () if mask1 is None and mask2 is None else tuple(
+            (m.block_q, m.block_k) for m in (mask1, mask2) if m is not None)
         return _tile_sizes(problem.dim1, problem.dim2, problem.dtype.itemsize, masks, interpreting())
 
     def forward(self, problem: Problem, q1, k1, q2, k2, schedule):
-        from streamkl.backends.triton import forward, select
+        device = _other_device(problem)
+        if device is not None:
+            with device:
+                return self._forward(problem, q1, k1, q2, k2, schedule)
+        return self._forward(problem, q1, k1, q2, k2, schedule)
+
+    def _forward(self, problem: Problem, q1, k1, q2, k2, schedule):
+        forward, select = _kernels()
 
         def make():
             choice = select.select_forward(problem, schedule.block_q, schedule.block_k)
             gluon_plan = None
             if choice.gluon:
-                from streamkl.backends.triton.gluon import forward as gluon_forward
-
-                gluon_plan = gluon_forward.plan(problem, schedule)
+                gluon_plan = _gluon_kernels()[0].plan(problem, schedule)
             return problem, choice, forward.plan(problem, choice, schedule), gluon_plan
 
         tiles = (schedule.block_q, schedule.block_k)
@@ -116,18 +122,21 @@ class TritonBackend(Backend):
         else:  # (the memo leaves out the entry's problem: no reference cycle)
             _, choice, plan, gluon_plan = self._plans.get_or_make(("forward", problem.key, *tiles), make)
             problem.memo["triton.forward"] = (tiles, (choice, plan, gluon_plan))
-        with _inputs_device(problem):
-            if gluon_plan is not None and select.tma_inputs(q1, k1, q2, k2):
-                from streamkl.backends.triton.gluon import forward as gluon_forward
-
-                return gluon_forward.kl_forward(problem, gluon_plan, q1, k1, q2, k2)
-            return forward.kl_forward(problem, choice, plan, q1, k1, q2, k2)
+        if gluon_plan is not None and select.tma_inputs(q1, k1, q2, k2):
+            return _gluon_kernels()[0].kl_forward(problem, gluon_plan, q1, k1, q2, k2)
+        return forward.kl_forward(problem, choice, plan, q1, k1, q2, k2)
 
     def backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
-        from streamkl.backends.triton import backward, select
-
         if q1.numel() == 0 or k1.numel() == 0 or not any(needs):
             return tuple(None if not need else torch.zeros_like(t) for t, need in zip((q1, k1, q2, k2), needs))
+        device = _other_device(problem)
+        if device is not None:
+            with device:
+                return self._backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs)
+        return self._backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs)
+
+    def _backward(self, problem: Problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule, needs):
+        select = _kernels()[1]
         deterministic = problem.deterministic or torch.are_deterministic_algorithms_enabled()
         variant = (schedule.block_q, schedule.block_k, tuple(needs), deterministic)
         memo = problem.memo.get("triton.backward")  # this problem's last choice: no hashing of its key
@@ -138,16 +147,15 @@ class TritonBackend(Backend):
                 problem, select.select_backward(problem, schedule.block_q, schedule.block_k, tuple(needs),
                                                 deterministic)))
             problem.memo["triton.backward"] = (variant, choice)
-        with _inputs_device(problem):
-            if choice.kind.startswith("gluon") and select.tma_inputs(q1, k1, q2, k2):
-                from streamkl.backends.triton.gluon import backward as gluon_backward
+        if choice.kind.startswith("gluon"):
+            if select.tma_inputs(q1, k1, q2, k2):
+                return _gluon_kernels()[1].kl_backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows.float(),
+                                                       schedule, choice.kind == "gluon-both", choice.chunks)
+            choice = _portable(problem, schedule, needs, deterministic)  # inputs the descriptors cannot read
+        from streamkl.backends.triton import backward
 
-                return gluon_backward.kl_backward(problem, q1, k1, q2, k2, lse1, lse2, expect, grad_rows.float(),
-                                                  schedule, choice.kind == "gluon-both", choice.chunks)
-            if choice.kind.startswith("gluon"):  # inputs the descriptors cannot read: the portable kernels
-                choice = _portable(problem, schedule, needs, deterministic)
-            return backward.kl_backward(problem, choice, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule,
-                                        tuple(needs))
+        return backward.kl_backward(problem, choice, q1, k1, q2, k2, lse1, lse2, expect, grad_rows, schedule,
+                                    tuple(needs))
 
 
 def _capability_reason(index: int, which: str) -> str | None:
@@ -169,11 +177,28 @@ def _portable(problem: Problem, schedule, needs, deterministic: bool):
                                   gluon=False)
 
 
-def _inputs_device(problem: Problem):
-    """The inputs' GPU as the current device while launching: Triton launches on the current
-    device's current stream, so inputs on another GPU (cuda:1 while cuda:0 is current) would be
-    read from the wrong device. A no-op (no context switch) when they are on the current one."""
+def _other_device(problem: Problem):
+    """A context making the inputs' GPU the current device while launching, or None where they are
+    on the current one: Triton launches on the current device's current stream, so inputs on
+    another GPU (cuda:1 while cuda:0 is current) would be read from the wrong device."""
     device = problem.device
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return None
+
+
+@functools.cache
+def _kernels():
+    """The portable forward and the selection modules, imported on first use (importing them
+    imports Triton); kept, so that a call pays no import statement."""
+    from streamkl.backends.triton import forward, select
+
+    return forward, select
+
+
+@functools.cache
+def _gluon_kernels():
+    """The Gluon forward and backward modules (only where `select` chose them: they need Gluon)."""
+    from streamkl.backends.triton.gluon import backward, forward
+
+    return forward, backward

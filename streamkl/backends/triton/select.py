@@ -49,7 +49,10 @@ def _gluon_gpu(problem: Problem) -> bool:
 def tma_inputs(*tensors: torch.Tensor) -> bool:
     """Whether tensors can be read through TMA descriptors as [tokens, heads * dim]: non-empty,
     contiguous, 16-byte aligned (checked each call: the problem does not say)."""
-    return all(t.numel() > 0 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+    for t in tensors:  # (a loop, not all() over a generator: this runs on every call)
+        if t.numel() == 0 or not t.is_contiguous() or t.data_ptr() % 16 != 0:
+            return False
+    return True
 
 
 # ------------------------------------------------------------------------------------ forward

@@ -82,15 +82,17 @@ def shared_layout(rows: int, dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, dim], gl_dtype(dtype))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(init=False)
 class CheckedDescriptor(TensorDescriptor):
     """A TMA descriptor whose fields the caller made valid: a tensor `select.tma_inputs` accepted
     (non-empty, contiguous, 16-byte aligned) or allocated here, a box and layout of this module.
     The base class re-validates every field on each construction, a few microseconds per launch
-    argument; this one does not. Triton takes it as the TensorDescriptor it is."""
+    argument; this one does not (its own `__init__` sets the fields, without `__post_init__`).
+    Triton takes it as the TensorDescriptor it is."""
 
-    def __post_init__(self) -> None:
-        pass
+    def __init__(self, base, shape, strides, block_shape, layout, padding: str = "zero") -> None:
+        self.base, self.shape, self.strides, self.block_shape = base, shape, strides, block_shape
+        self.layout, self.padding = layout, padding
 
 
 def flat_descriptor(t: torch.Tensor, rows: int, layout=None) -> TensorDescriptor:
