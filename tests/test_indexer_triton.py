@@ -120,6 +120,11 @@ DENSE_CASES = [
     pytest.param(1, 230, 250, 8, 8, 16, 2, 16, False, 30, torch.bfloat16,
                  id="B1-Nq230-Nk250-H8-D16-Hi2x16-top30-bf16"),
     pytest.param(1, 70, 70, 2, 2, 48, 2, 16, True, 20, torch.float16, id="B1-N70-H2-D48-Hi2x16-causal-top20-fp16"),
+    # the lse pass's whole key tiles (no mask) before its masked ones: bottom-right causal with
+    # more keys than rows (row 0 sees keys 0..126 of the first 128: a tile one key short of whole),
+    # and a partial last key tile
+    pytest.param(1, 100, 226, 2, 1, 16, 2, 16, True, 0, torch.float32, id="B1-Nq100-Nk226-causal-fp32"),
+    pytest.param(1, 90, 290, 2, 2, 16, 2, 16, False, 0, torch.float32, id="B1-Nq90-Nk290-fp32"),
 ]
 
 

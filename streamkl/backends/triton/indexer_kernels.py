@@ -244,6 +244,15 @@ def _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_he
 
 
 @triton.jit
+def _online_lse(b_s, b_m, b_l):
+    """The running (max, sum of exp2) of each row, base 2, after the [BM, BN] scores b_s (NaN kept)."""
+    b_new = tl.maximum(b_m, tl.max(b_s, axis=1), propagate_nan=tl.PropagateNan.ALL)
+    b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+    b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_s - b_ref[:, None]), axis=1)
+    return b_new, b_l
+
+
+@triton.jit
 def _head_lse_kernel(
     Q_DESC, K_DESC, LSE, SEL, CU_Q, CU_K,
     stride_lb, stride_lh,
@@ -282,7 +291,16 @@ def _head_lse_kernel(
         k_end = len_k
         if CAUSAL:
             k_end = tl.minimum(len_k, (q_tile + 1) * BLOCK_M + len_k - len_q)
-        for k_tile in tl.range(0, tl.cdiv(k_end, BLOCK_N)):
+        open_tiles = 0  # dense: the leading key tiles every row of the query tile may use whole
+        if not TOPK:
+            open_tiles = len_k // BLOCK_N
+            if CAUSAL:  # the tile's first row's last key
+                open_tiles = tl.minimum(open_tiles, tl.maximum(q_tile * BLOCK_M + len_k - len_q + 1, 0) // BLOCK_N)
+        for k_tile in tl.range(0, open_tiles):  # no mask to build: the loop the exponentials bound
+            b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
+            b_s = _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale
+            b_m, b_l = _online_lse(b_s, b_m, b_l)
+        for k_tile in tl.range(open_tiles, tl.cdiv(k_end, BLOCK_N)):
             active = True
             if TOPK:
                 active = k_tile == next_tile
@@ -296,10 +314,7 @@ def _head_lse_kernel(
                     next_tile = tl.min(next_key, axis=0) // BLOCK_N
                     m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
                 b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
-                b_new = tl.maximum(b_m, tl.max(b_s, axis=1), propagate_nan=tl.PropagateNan.ALL)
-                b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
-                b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_s - b_ref[:, None]), axis=1)
-                b_m = b_new
+                b_m, b_l = _online_lse(b_s, b_m, b_l)
         b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l)) * LN2, float("-inf"))
         b_lse = tl.where(b_l == b_l, b_lse, float("nan"))
         tl.store(LSE + seq64 * stride_lb + h * stride_lh + q_start + o_i, b_lse, mask=m_i)
