@@ -283,6 +283,13 @@ def _descriptor(t: torch.Tensor, varlen: bool, rows: int, cols: int):
     return TensorDescriptor(t, shape, strides, [1, rows, 1, cols])
 
 
+def _heads_major(w: torch.Tensor) -> torch.Tensor:
+    """`w` ([..., rows, Hi]) with each head's weights contiguous over the rows (a copy): the kernels
+    load one head's weights for a tile of rows at a time, one coalesced run instead of a 2-byte
+    read from each row's line."""
+    return w.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def _sequence_args(problem, device):
     spare = _placeholder(device)
     if problem.is_varlen:
@@ -341,7 +348,7 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ..
     forward / the teacher lse kernel (A/B timing in tools/time_indexer_triton.py); `window`
     replaces `window_rows`'s (tests)."""
     kernels = _kernels()
-    w = _last_contiguous(w)
+    w_heads = _heads_major(w)
     device = q.device
     varlen = problem.is_varlen
     row_shape = (problem.total_q,) if varlen else (problem.batch, problem.seqlen_q)
@@ -388,8 +395,9 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ..
         _launch(kernels._forward_kernel, (span_fwd * windows * problem.batch * splits,), (
             _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
             _descriptor(qi, varlen, rows, block_e), _descriptor(ki, varlen, cols, block_e),
-            w, head_lse, parts, sel, cu_q, cu_k,
-            0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
+            w_heads, head_lse, parts, sel, cu_q, cu_k,
+            0 if varlen else w_heads.stride(0), w_heads.stride(-2), w_heads.stride(-1),
+            0 if varlen else head_lse.stride(0), head_lse.stride(-2),
             parts.stride(0), parts.stride(1), *bounds, span_fwd,
             *common, problem.index_heads, problem.scale * LOG2E, problem.topk, splits, split_tiles,
         ), dict(BLOCK_E=block_e, **_constants(problem, cfg_fwd)))
@@ -502,7 +510,9 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     # no copies: g's and dki's rows start on 16 bytes
     g_descriptor, dki_descriptor = _descriptor(g, True, block_m, block_e), _descriptor(dki, varlen, block_n, block_e)
     span_tiles = -(-size // block_m) + 1  # query tiles a range of `size` rows can touch
-    strides = (0 if varlen else w.stride(0), w.stride(-2), 0 if varlen else head_lse.stride(0), head_lse.stride(-2),
+    w_heads = _heads_major(w)
+    strides = (0 if varlen else w_heads.stride(0), w_heads.stride(-2), w_heads.stride(-1),
+               0 if varlen else head_lse.stride(0), head_lse.stride(-2),
                0 if varlen else problem.seqlen_q, g.stride(0), g.stride(1),
                0 if varlen else dki.stride(0), dki.stride(-2))
     constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
@@ -512,7 +522,7 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
         if problem.topk > 0:  # the launch's rows' selections, in its workspace rows
             select(problem, topk_indices, sel[block_m:], pair, table, (block_m, block_n))
         _launch(backward_kernels._backward_kernel, (span_tiles * 2 * k_tiles * problem.batch,), (
-            *descriptors, w, head_lse, index_lse, grad_rows, g_descriptor, g, dki_descriptor, dki, sel, table,
+            *descriptors, w_heads, head_lse, index_lse, grad_rows, g_descriptor, g, dki_descriptor, dki, sel, table,
             cu_q, cu_k,
             *strides, lo0, hi0, base0, lo1, hi1, base1,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,

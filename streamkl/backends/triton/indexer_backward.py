@@ -39,7 +39,7 @@ from streamkl.backends.triton.indexer_kernels import (
 @triton.jit
 def _backward_kernel(
     Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, G_DESC, G, DKI_DESC, DKI, SEL, TILES, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_rb, stride_gr, stride_gh,
+    stride_wb, stride_wn, stride_wh, stride_lb, stride_lh, stride_rb, stride_gr, stride_gh,
     stride_dkb, stride_dkn,
     lo0, hi0, base0, lo1, hi1, base1,
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, span_tiles,
@@ -99,18 +99,21 @@ def _backward_kernel(
             m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
         b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                              heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
-        b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,
+        b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, stride_wh, index_heads, BLOCK_M,
                             BLOCK_N, BLOCK_E, IEEE, INTERPRET)
         b_lse = tl.load(INDEX_LSE + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0) * LOG2E
         b_g = tl.load(GRAD + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0)
         b_p = tl.exp2(b_z * LOG2E - b_lse[:, None])
         b_dz = tl.where(m_ij, b_g[:, None] * (b_p - b_t), 0.0)  # [BM, BN]
         b_dki = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+        b_w_next = tl.load(W + o_i * stride_wn, mask=m_i, other=0.0)  # each head's weights one head ahead
         for t in tl.range(0, index_heads):
             b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
             if VARLEN:
                 b_qi = tl.where(m_i[:, None], b_qi, 0.0).to(b_qi.dtype)
-            b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
+            b_w = b_w_next.to(tl.float32)
+            b_w_next = tl.load(W + o_i * stride_wn + (t + 1) * stride_wh, mask=m_i & (t + 1 < index_heads),
+                               other=0.0)
             b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)  # [BM, BN]
             b_dr = tl.where(b_r > 0.0, b_dz, 0.0)
             b_dki += _mm(tl.trans((b_dr * b_w[:, None]).to(b_qi.dtype)), b_qi, IEEE, INTERPRET)

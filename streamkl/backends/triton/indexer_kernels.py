@@ -215,10 +215,13 @@ def _teacher_probs(Q_DESC, K_DESC, LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, st
     q_row, k_row: descriptor rows of the tiles' first query and key; LSE: the sequence's first row
     of head 0's lse."""
     b_t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # each head's lse is loaded one head ahead: its latency (an L2 read) hides behind a head's work
+    b_lse_next = tl.load(LSE + o_i, mask=m_i, other=0.0)
     for h in tl.range(0, heads):
         b_q = Q_DESC.load([desc_b, q_row, h, 0]).reshape([BLOCK_M, BLOCK_D])
         b_k = K_DESC.load([desc_b, k_row, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
-        b_lse = tl.load(LSE + h * stride_lh + o_i, mask=m_i, other=0.0) * LOG2E  # [BM]
+        b_lse = b_lse_next * LOG2E  # [BM]
+        b_lse_next = tl.load(LSE + (h + 1) * stride_lh + o_i, mask=m_i & (h + 1 < heads), other=0.0)
         b_s = _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale
         b_t += tl.exp2(b_s - b_lse[:, None])
     return tl.where(m_ij, b_t * (1.0 / heads), 0.0)
@@ -231,13 +234,15 @@ def _relu(x):
 
 
 @triton.jit
-def _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M: tl.constexpr,
+def _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, stride_wh, index_heads, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """z [BM, BN] float32 = sum_t w_t * relu(qi_t . ki) (unmasked); b_ki [BN, BE] the key tile."""
     b_z = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    b_w_next = tl.load(W + o_i * stride_wn, mask=m_i, other=0.0)  # each head's weights one head ahead
     for t in tl.range(0, index_heads):
         b_qi = QI_DESC.load([desc_b, q_row, t, 0]).reshape([BLOCK_M, BLOCK_E])
-        b_w = tl.load(W + o_i * stride_wn + t, mask=m_i, other=0.0).to(tl.float32)
+        b_w = b_w_next.to(tl.float32)
+        b_w_next = tl.load(W + o_i * stride_wn + (t + 1) * stride_wh, mask=m_i & (t + 1 < index_heads), other=0.0)
         b_r = _mm(b_qi, tl.trans(b_ki), IEEE, INTERPRET)
         b_z += b_w[:, None] * _relu(b_r)
     return b_z
@@ -323,7 +328,7 @@ def _head_lse_kernel(
 @triton.jit
 def _forward_kernel(
     Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, PARTS, SEL, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_lb, stride_lh, stride_pc, stride_ps,
+    stride_wb, stride_wn, stride_wh, stride_lb, stride_lh, stride_pc, stride_ps,
     lo0, hi0, lo1, hi1, windows, span_tiles,
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, splits, split_tiles,
     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -385,8 +390,8 @@ def _forward_kernel(
                 b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
                                      heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
                 b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
-                b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, index_heads, BLOCK_M,
-                                    BLOCK_N, BLOCK_E, IEEE, INTERPRET)
+                b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, stride_wh, index_heads,
+                                    BLOCK_M, BLOCK_N, BLOCK_E, IEEE, INTERPRET)
                 b_a += tl.sum(tl.where(b_t == 0.0, 0.0, b_t * tl.log(b_t)), axis=1)
                 b_b += tl.sum(tl.where(m_ij, b_t * b_z, 0.0), axis=1)
                 b_z2 = tl.where(m_ij, b_z * LOG2E, float("-inf"))
