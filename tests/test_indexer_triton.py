@@ -125,6 +125,9 @@ DENSE_CASES = [
     # and a partial last key tile
     pytest.param(1, 100, 226, 2, 1, 16, 2, 16, True, 0, torch.float32, id="B1-Nq100-Nk226-causal-fp32"),
     pytest.param(1, 90, 290, 2, 2, 16, 2, 16, False, 0, torch.float32, id="B1-Nq90-Nk290-fp32"),
+    # the top-k lse pass's blocks of heads: two blocks of 16 over GQA groups of 4; three blocks of 4
+    pytest.param(1, 40, 40, 32, 8, 16, 2, 16, True, 12, torch.float32, id="B1-N40-H32-Hk8-D16-causal-top12-fp32"),
+    pytest.param(1, 40, 60, 12, 3, 16, 2, 8, False, 10, torch.float32, id="B1-Nq40-Nk60-H12-Hk3-D16-top10-fp32"),
 ]
 
 

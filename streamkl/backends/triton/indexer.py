@@ -120,8 +120,10 @@ def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -
     and the indexer's head loop do not overlap in time: their maximum."""
     size = 4 if problem.dtype == torch.float32 else 2
     block_d, block_e = _pow2(problem.dim), _pow2(problem.index_dim)
-    if kernel == "lse":
+    if kernel == "lse" and getattr(problem, "topk", 0) == 0:  # the query tile stays loaded
         return (block_m + stages * block_n) * block_d * size + SHARED_SLACK
+    if kernel == "lse":  # top-k: each head's query tile is loaded again for every key tile
+        return stages * (block_m + block_n) * block_d * size + SHARED_SLACK
     teacher = stages * (block_m + block_n) * block_d * size
     index = stages * block_m * block_e * size + block_n * block_e * size  # qi tiles, the key tile's ki
     if kernel == "backward":
@@ -161,6 +163,18 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
             if shared_need(problem, kernel, block_m, block_n, stages) <= budget:
                 return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=1)
+
+
+TOPK_LSE_HEADS = 16  # the top-k lse kernel's heads a program, at most (each visited tile's selection read once for them)
+
+
+def program_heads(heads: int) -> int:
+    """The top-k lse kernel's heads a program: the largest power of two up to TOPK_LSE_HEADS that
+    divides `heads`."""
+    count = TOPK_LSE_HEADS
+    while heads % count:
+        count //= 2
+    return count
 
 
 def _new(shape, device, fill: float | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -328,9 +342,8 @@ def _launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
     does not fit after all (`shared_need` is a bound, the compiler has the last word)."""
     from streamkl.backends.triton.launch import launch
 
-    constexprs = dict(constexprs)
-    warps, stages = constexprs.pop("num_warps"), constexprs.pop("num_stages")
-    launch(kernel, grid, args, warps, stages, constexprs)
+    warps, stages = constexprs["num_warps"], constexprs["num_stages"]
+    launch(kernel, grid, args, warps, stages, {k: v for k, v in constexprs.items() if k in kernel.arg_names})
 
 
 def _placeholder(device) -> torch.Tensor:
@@ -383,12 +396,18 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ..
             select(problem, topk_indices, sel, pair)
         if lse is None:
             rows, cols = cfg_lse["BLOCK_M"], cfg_lse["BLOCK_N"]
-            _launch(kernels._head_lse_kernel, (span_lse * windows * problem.batch * problem.heads,), (
-                _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d),
-                head_lse, sel, cu_q, cu_k,
-                0 if varlen else head_lse.stride(0), head_lse.stride(-2), *bounds, span_lse,
-                *common, problem.scale * LOG2E, problem.topk,
-            ), _constants(problem, cfg_lse))
+            descriptors = _descriptor(q, varlen, rows, block_d), _descriptor(k, varlen, cols, block_d)
+            strides = 0 if varlen else head_lse.stride(0), head_lse.stride(-2)
+            if problem.topk > 0:
+                heads = program_heads(problem.heads)
+                _launch(kernels._topk_lse_kernel, (span_lse * windows * problem.batch * problem.heads // heads,), (
+                    *descriptors, head_lse, sel, cu_q, cu_k, *strides, *bounds, span_lse,
+                    *common, problem.scale * LOG2E, problem.topk,
+                ), dict(PROGRAM_HEADS=heads, **_constants(problem, cfg_lse)))
+            else:
+                _launch(kernels._head_lse_kernel, (span_lse * windows * problem.batch * problem.heads,), (
+                    *descriptors, head_lse, cu_q, cu_k, *strides, *bounds, span_lse, *common, problem.scale * LOG2E,
+                ), _constants(problem, cfg_lse))
         parts[0].fill_(float("-inf"))
         parts[1:].zero_()
         rows, cols = cfg_fwd["BLOCK_M"], cfg_fwd["BLOCK_N"]
@@ -554,7 +573,7 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
     from triton.compiler import ASTSource
 
     kernels, backward_kernels = _kernels(), _backward_kernels()
-    fn = {"lse": kernels._head_lse_kernel, "forward": kernels._forward_kernel,
+    fn = {"lse": kernels._topk_lse_kernel if topk else kernels._head_lse_kernel, "forward": kernels._forward_kernel,
           "backward": backward_kernels._backward_kernel, "finish": backward_kernels._finish_rows_kernel}[kernel]
 
     class _Shape:  # the fields `config` reads
@@ -573,7 +592,7 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
                 "TILES": "u8"}
     constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), BLOCK_H=64, CAUSAL=causal,
                      VARLEN=varlen, TOPK=topk > 0, IEEE=dtype == torch.float32, INTERPRET=False,
-                     STEPS_K=max(topk, 1).bit_length(), CHUNK=_chunk(topk),
+                     STEPS_K=max(topk, 1).bit_length(), CHUNK=_chunk(topk), PROGRAM_HEADS=TOPK_LSE_HEADS,
                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     signature = {}
     for name in fn.arg_names:

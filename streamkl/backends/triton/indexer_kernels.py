@@ -258,22 +258,14 @@ def _online_lse(b_s, b_m, b_l):
 
 
 @triton.jit
-def _head_lse_kernel(
-    Q_DESC, K_DESC, LSE, SEL, CU_Q, CU_K,
-    stride_lb, stride_lh,
-    lo0, hi0, lo1, hi1, windows, span_tiles,
-    seqlen_q, seqlen_k, heads, group, qk_scale, topk,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """The teacher's per-head lse over each row's allowed keys of the launch's row windows (one or
-    two): one program per (query tile of a window, head, window, sequence). Top-k: only the key
-    tiles holding a selected key are visited (each row's sorted selection, SEL's window row,
-    walked by a cursor, the next such tile its smallest next key)."""
+def _lse_program(span_tiles, windows, lo0, hi0, lo1, hi1, CU_Q, CU_K, seqlen_q, seqlen_k, groups,
+                 BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
+    """What an lse program covers, from its id: (run, group, seq, q_start, len_q, k_start, len_k,
+    desc_b, shift, q_tile, o_i, m_i, k_end); `group` in [0, groups) is its head or block of heads,
+    `run` false when its query tile holds none of the window's rows."""
     span, rest = _tile_order(tl.program_id(0), span_tiles, CAUSAL)
-    h = rest % heads
-    rest = rest // heads
+    group = rest % groups
+    rest = rest // groups
     second = (windows == 2) & (rest % windows == 0)  # the later rows first
     seq = rest // windows
     q_start, len_q, k_start, len_k = _span(CU_Q, CU_K, seq, seqlen_q, seqlen_k, VARLEN)
@@ -282,47 +274,105 @@ def _head_lse_kernel(
     q_tile = r0 // BLOCK_M + span
     o_i = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_i = (o_i >= r0) & (o_i < r1)
-    if (r0 < r1) & (q_tile * BLOCK_M < r1):
-        seq64 = seq.to(tl.int64)
-        p_sel = SEL + (o_i + shift).to(tl.int64) * topk
-        sel_end = tl.where(m_i, topk, 0)
-        cursor = o_i * 0
-        next_tile = 0
-        if TOPK:
-            next_tile = tl.min(_key_at(p_sel, cursor, sel_end), axis=0) // BLOCK_N
+    k_end = len_k
+    if CAUSAL:
+        k_end = tl.minimum(len_k, (q_tile + 1) * BLOCK_M + len_k - len_q)
+    run = (r0 < r1) & (q_tile * BLOCK_M < r1)
+    return run, group, seq, q_start, len_q, k_start, len_k, desc_b, shift, q_tile, o_i, m_i, k_end
+
+
+@triton.jit
+def _finish_lse(b_m, b_l):
+    """The natural-log lse from the base-2 running (max, sum); -inf for an empty row, NaN kept."""
+    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l)) * LN2, float("-inf"))
+    return tl.where(b_l == b_l, b_lse, float("nan"))
+
+
+@triton.jit
+def _head_lse_kernel(
+    Q_DESC, K_DESC, LSE, CU_Q, CU_K,
+    stride_lb, stride_lh,
+    lo0, hi0, lo1, hi1, windows, span_tiles,
+    seqlen_q, seqlen_k, heads, group, qk_scale,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The dense stage's teacher per-head lse over each row's allowed keys: one program per (query
+    tile, head, sequence). The leading key tiles every row of the query tile may use whole are
+    walked without a mask."""
+    run, h, seq, q_start, len_q, k_start, len_k, desc_b, shift, q_tile, o_i, m_i, k_end = _lse_program(
+        span_tiles, windows, lo0, hi0, lo1, hi1, CU_Q, CU_K, seqlen_q, seqlen_k, heads, BLOCK_M, CAUSAL, VARLEN)
+    if run:
         b_q = Q_DESC.load([desc_b, q_start + q_tile * BLOCK_M, h, 0]).reshape([BLOCK_M, BLOCK_D])
         b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_M], tl.float32)
-        k_end = len_k
-        if CAUSAL:
-            k_end = tl.minimum(len_k, (q_tile + 1) * BLOCK_M + len_k - len_q)
-        open_tiles = 0  # dense: the leading key tiles every row of the query tile may use whole
-        if not TOPK:
-            open_tiles = len_k // BLOCK_N
-            if CAUSAL:  # the tile's first row's last key
-                open_tiles = tl.minimum(open_tiles, tl.maximum(q_tile * BLOCK_M + len_k - len_q + 1, 0) // BLOCK_N)
+        open_tiles = len_k // BLOCK_N
+        if CAUSAL:  # the tile's first row's last key
+            open_tiles = tl.minimum(open_tiles, tl.maximum(q_tile * BLOCK_M + len_k - len_q + 1, 0) // BLOCK_N)
         for k_tile in tl.range(0, open_tiles):  # no mask to build: the loop the exponentials bound
             b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
             b_s = _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale
             b_m, b_l = _online_lse(b_s, b_m, b_l)
         for k_tile in tl.range(open_tiles, tl.cdiv(k_end, BLOCK_N)):
-            active = True
-            if TOPK:
-                active = k_tile == next_tile
-            if active:
+            o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
+            m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL)
+            b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
+            b_m, b_l = _online_lse(b_s, b_m, b_l)
+        tl.store(LSE + seq.to(tl.int64) * stride_lb + h * stride_lh + q_start + o_i, _finish_lse(b_m, b_l), mask=m_i)
+
+
+@triton.jit
+def _topk_lse_kernel(
+    Q_DESC, K_DESC, LSE, SEL, CU_Q, CU_K,
+    stride_lb, stride_lh,
+    lo0, hi0, lo1, hi1, windows, span_tiles,
+    seqlen_q, seqlen_k, heads, group, qk_scale, topk,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAM_HEADS: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The top-k stage's teacher per-head lse over each row's selected keys of the launch's row
+    windows (one or two): one program per (query tile of a window, block of PROGRAM_HEADS heads,
+    window, sequence), PROGRAM_HEADS dividing the heads. Only the key tiles holding a selected key
+    are visited: each row's sorted selection (SEL's window row) is walked by a cursor, the next
+    tile the one of the rows' smallest next key. A visited tile's selection is read once for all
+    the program's heads; the heads' running (max, sum) are the rows of [PROGRAM_HEADS, BLOCK_M]
+    blocks."""
+    run, hb, seq, q_start, len_q, k_start, len_k, desc_b, shift, q_tile, o_i, m_i, k_end = _lse_program(
+        span_tiles, windows, lo0, hi0, lo1, hi1, CU_Q, CU_K, seqlen_q, seqlen_k, heads // PROGRAM_HEADS, BLOCK_M,
+        CAUSAL, VARLEN)
+    if run:
+        h0 = hb * PROGRAM_HEADS
+        q_row = q_start + q_tile * BLOCK_M
+        p_sel = SEL + (o_i + shift).to(tl.int64) * topk
+        sel_end = tl.where(m_i, topk, 0)
+        cursor = o_i * 0
+        next_tile = tl.min(_key_at(p_sel, cursor, sel_end), axis=0) // BLOCK_N
+        o_h = tl.arange(0, PROGRAM_HEADS)
+        b_m = tl.full([PROGRAM_HEADS, BLOCK_M], float("-inf"), tl.float32)
+        b_l = tl.zeros([PROGRAM_HEADS, BLOCK_M], tl.float32)
+        for k_tile in tl.range(0, tl.cdiv(k_end, BLOCK_N)):
+            if k_tile == next_tile:
                 o_j = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                b_k = K_DESC.load([desc_b, k_start + k_tile * BLOCK_N, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
-                m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL)
-                if TOPK:
-                    word0, word1, word2, word3, cursor, next_key = _tile_selection(
-                        p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
-                    next_tile = tl.min(next_key, axis=0) // BLOCK_N
-                    m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
-                b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
-                b_m, b_l = _online_lse(b_s, b_m, b_l)
-        b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l)) * LN2, float("-inf"))
-        b_lse = tl.where(b_l == b_l, b_lse, float("nan"))
-        tl.store(LSE + seq64 * stride_lb + h * stride_lh + q_start + o_i, b_lse, mask=m_i)
+                k_row = k_start + k_tile * BLOCK_N
+                word0, word1, word2, word3, cursor, next_key = _tile_selection(
+                    p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
+                next_tile = tl.min(next_key, axis=0) // BLOCK_N
+                m_ij = _allowed(o_i, o_j, len_q, len_k, CAUSAL) & _selection_mask(
+                    word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
+                for t in tl.range(0, PROGRAM_HEADS):
+                    h = h0 + t
+                    b_q = Q_DESC.load([desc_b, q_row, h, 0]).reshape([BLOCK_M, BLOCK_D])
+                    b_k = K_DESC.load([desc_b, k_row, h // group, 0]).reshape([BLOCK_N, BLOCK_D])
+                    b_s = tl.where(m_ij, _mm(b_q, tl.trans(b_k), IEEE, INTERPRET) * qk_scale, float("-inf"))
+                    row = o_h[:, None] == t  # head t's row of the running statistics
+                    b_mt, b_lt = _online_lse(b_s, tl.sum(tl.where(row, b_m, 0.0), axis=0),  # (NaN kept)
+                                             tl.sum(tl.where(row, b_l, 0.0), axis=0))
+                    b_m = tl.where(row, b_mt[None, :], b_m)
+                    b_l = tl.where(row, b_lt[None, :], b_l)
+        p_lse = LSE + seq.to(tl.int64) * stride_lb + (h0 + o_h)[:, None] * stride_lh + q_start + o_i[None, :]
+        tl.store(p_lse, _finish_lse(b_m, b_l), mask=m_i[None, :])
 
 
 @triton.jit
