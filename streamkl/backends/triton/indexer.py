@@ -165,7 +165,7 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=1)
 
 
-TOPK_LSE_HEADS = 16  # the top-k lse kernel's heads a program, at most (each visited tile's selection read once for them)
+TOPK_LSE_HEADS = 16  # the top-k lse kernel's heads a program at most (a visited tile's selection read once for them)
 
 
 def program_heads(heads: int) -> int:
