@@ -391,16 +391,16 @@ def test_config_fits_shared_memory(budget, dtype):
     16-bit inputs at D <= 128 keep the largest tiles and the measured pipeline depths."""
     for dim in (16, 64, 128, 192, 256):
         for index_dim in (16, 64, 128):
-            for n in (40, 1 << 15):
+            for n, topk in ((40, 0), (1 << 15, 0), (1 << 15, 2048)):
                 q, k, qi, ki, _ = inputs((1, 1), (1, 1), 1, 1, dim, 1, index_dim, dtype)
                 problem = IndexerProblem(**{**make_problem(q, k, qi, ki, None, True).__dict__,
-                                            "seqlen_q": n, "seqlen_k": n})
+                                            "seqlen_q": n, "seqlen_k": n, "topk": topk})
                 for kernel in ("lse", "forward", "backward"):
                     cfg = triton_indexer.config(problem, kernel, BUDGETS[budget])
                     need = triton_indexer.shared_need(problem, kernel, cfg["BLOCK_M"], cfg["BLOCK_N"],
                                                       cfg["num_stages"])
-                    assert need <= BUDGETS[budget], (kernel, dim, index_dim, n, cfg, need)
-                    if budget == "H100" and dtype != torch.float32 and dim <= 128 and n > 128:
+                    assert need <= BUDGETS[budget], (kernel, dim, index_dim, n, topk, cfg, need)
+                    if budget == "H100" and dtype != torch.float32 and dim <= 128 and n > 128 and not topk:
                         tiles = {"lse": (128, 128, 8, 3), "forward": (64, 128, 4, 2), "backward": (64, 64, 4, 3)}
                         wanted = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), tiles[kernel]))
                         assert cfg == wanted, (kernel, cfg)
@@ -440,7 +440,8 @@ def test_largest_kernels_fit_hopper(kernel):
 @pytest.mark.slow
 def test_all_kernels_compile_for_hopper_topk_varlen():
     """Every kernel (teacher lse, forward, backward, finishing) compiles for sm_90a at bf16, D = 128,
-    Di = 128 with a top-k selection on packed sequences, within the H100's shared memory."""
+    Di = 128 with a top-k selection on packed sequences, within the H100's shared memory and, but
+    the finishing kernel, within `shared_need`."""
     code = ("import torch\n"
             "from streamkl.backends.triton import indexer as ix\n"
             "for name in ('lse', 'forward', 'backward', 'finish'):\n"
@@ -449,6 +450,13 @@ def test_all_kernels_compile_for_hopper_topk_varlen():
     shared = dict(line.split() for line in _compile_in_subprocess(code, timeout=900).split("\n") if line)
     assert set(shared) == {"lse", "forward", "backward", "finish"}
     assert all(int(value) <= BUDGETS["H100"] for value in shared.values()), shared
+    q, k, qi, ki, _ = inputs((1, 1), (1, 1), 1, 1, 128, 1, 128, torch.bfloat16)
+    problem = IndexerProblem(**{**make_problem(q, k, qi, ki, None, True).__dict__, "seqlen_q": 1 << 15,
+                                "seqlen_k": 1 << 15, "topk": 2048, "device": torch.device("cpu")})
+    for name in ("lse", "forward", "backward"):
+        cfg = triton_indexer.config(problem, name, BUDGETS["H100"])
+        need = triton_indexer.shared_need(problem, name, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"])
+        assert int(shared[name]) <= need, (name, shared[name], need, cfg)
 
 
 # ------------------------------------------------------------------------------------------ GPU
