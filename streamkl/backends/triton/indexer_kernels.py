@@ -444,11 +444,7 @@ def _forward_kernel(
                                     BLOCK_M, BLOCK_N, BLOCK_E, IEEE, INTERPRET)
                 b_a += tl.sum(tl.where(b_t == 0.0, 0.0, b_t * tl.log(b_t)), axis=1)
                 b_b += tl.sum(tl.where(m_ij, b_t * b_z, 0.0), axis=1)
-                b_z2 = tl.where(m_ij, b_z * LOG2E, float("-inf"))
-                b_new = tl.maximum(b_m, tl.max(b_z2, axis=1), propagate_nan=tl.PropagateNan.ALL)
-                b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
-                b_l = b_l * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_z2 - b_ref[:, None]), axis=1)
-                b_m = b_new
+                b_m, b_l = _online_lse(tl.where(m_ij, b_z * LOG2E, float("-inf")), b_m, b_l)
         p_part = PARTS + split * stride_ps + o_i + shift
         tl.store(p_part, b_m, mask=m_i)
         tl.store(p_part + stride_pc, b_l, mask=m_i)
