@@ -139,15 +139,17 @@ def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -
 # occupancy); the dense forward at 64 x 128 x 4 warps and two stages 49.5 ms against 57.5 at three
 # and 59.3 at 128 x 64 x 8. H100, the dense forward with its lse pass at 64 x 128 x 4 warps x 3
 # stages: 70.3 ms on average over six runs in two sessions (66.7 to 73.3), against 72.6 (72.4 to
-# 72.8) at 128 x 128 x 8 x 3.
+# 72.8) at 128 x 128 x 8 x 3. H100, the top-k forward (lse given, top-2048) at 64 x 128 x 4 x 2:
+# 54.8 ms for a scattered selection and 16.9 for a local one, against 65.3 and 20.2 at 128 x 64 x 8
+# x 3, 60.0 and 18.7 at 64 x 64 x 4 x 3 (it spills 464 bytes a thread for sm_90a, 88 at the others).
 _LADDERS = {
     "lse": ((64, 128, 4, 3),) + _TILE_LADDER, "forward": ((64, 128, 4, 2),) + _TILE_LADDER,
-    "forward_topk": _TILE_LADDER, "backward": ((64, 64, 4), (32, 64, 4), (32, 32, 4)),
+    "forward_topk": ((64, 128, 4, 2),) + _TILE_LADDER, "backward": ((64, 64, 4), (32, 64, 4), (32, 32, 4)),
     "lse_topk": ((64, 128, 4), (64, 64, 4), (32, 64, 4), (32, 32, 4)),
 }
 # teacher head dims over 128 (padded): without their largest tiles
 _WIDE_LADDERS = {name: _LADDERS[name][1:] for name in ("lse", "lse_topk", "forward_topk")}
-_WIDE_LADDERS["forward"] = _TILE_LADDER[1:]
+_WIDE_LADDERS["forward"] = _WIDE_LADDERS["forward_topk"] = _TILE_LADDER[1:]
 
 
 def config(problem, kernel: str, budget: int | None = None) -> dict:
@@ -158,7 +160,6 @@ def config(problem, kernel: str, budget: int | None = None) -> dict:
     topk = getattr(problem, "topk", 0) > 0
     name = f"{kernel}_topk" if topk and kernel in ("lse", "forward") else kernel
     ladder = _WIDE_LADDERS.get(name, _LADDERS[name]) if _pow2(problem.dim) > 128 else _LADDERS[name]
-    # (sm_90a builds: none spills in the forward and lse kernels)
     for block_m, block_n, warps, *most in ladder:
         block_m, block_n = _fit(block_m, problem.seqlen_q), _fit(block_n, problem.seqlen_k)
         for stages in range(most[0] if most else 3, 0, -1):  # deeper pipelines first
