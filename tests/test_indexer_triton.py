@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+import streamkl
 from streamkl.backends.triton import indexer as triton_indexer
 from streamkl.indexer import IndexerProblem
 
@@ -408,8 +409,9 @@ def test_config_fits_shared_memory(budget, dtype):
 
 def _compile_in_subprocess(code: str, timeout: int) -> str:
     """stdout of `code` run by a fresh Python without TRITON_INTERPRET (the interpreter cannot
-    compile for sm_90a), with this checkout importable; fails the test on a nonzero exit."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    compile for sm_90a), importing the streamkl package this test imported (not necessarily the one
+    beside the tests); fails the test on a nonzero exit."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(streamkl.__file__)))
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)

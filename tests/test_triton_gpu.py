@@ -332,7 +332,8 @@ def test_gluon_kernels_compile_for_hopper(kernel):
             f"kernel = {calls[kernel]}\n"
             "assert 'wgmma' in kernel.asm['ptx']\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    # the streamkl package this test imported, not necessarily the one beside the tests
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(streamkl.__file__))),
                                          env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
