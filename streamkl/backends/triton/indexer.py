@@ -133,15 +133,16 @@ def shared_need(problem, kernel: str, block_m: int, block_n: int, stages: int) -
     return max(teacher, index) + SHARED_SLACK
 
 
-# (BLOCK_M, BLOCK_N, warps[, most stages]), largest first. H200, N = 32K, bf16: the backward at
-# 64 x 64 x 4 warps takes 137 ms against 160 at 64 x 128 x 8 (three stages); the top-k lse pass at
-# 64 x 128 x 4 warps 83 ms against 112 at 128 x 128 x 8 (its selection walk's registers halve the
-# occupancy); the dense forward at 64 x 128 x 4 warps and two stages 49.5 ms against 57.5 at three
-# and 59.3 at 128 x 64 x 8. H100, the dense forward with its lse pass at 64 x 128 x 4 warps x 3
-# stages: 70.3 ms on average over six runs in two sessions (66.7 to 73.3), against 72.6 (72.4 to
-# 72.8) at 128 x 128 x 8 x 3. H100, the top-k forward (lse given, top-2048) at 64 x 128 x 4 x 2:
-# 54.8 ms for a scattered selection and 16.9 for a local one, against 65.3 and 20.2 at 128 x 64 x 8
-# x 3, 60.0 and 18.7 at 64 x 64 x 4 x 3 (it spills 464 bytes a thread for sm_90a, 88 at the others).
+# (BLOCK_M, BLOCK_N, warps[, most stages]), largest first; the first tile of each ladder is the
+# fastest timed at N = 32K, bf16, H = 64 (docs/indexer.md has the tables):
+# - backward 64 x 64 x 4: 137 ms against 160 at 64 x 128 x 8 (H200);
+# - top-k lse pass 64 x 128 x 4: 83 ms against 112 at 128 x 128 x 8, its selection walk's registers
+#   halving the occupancy (H200);
+# - dense forward 64 x 128 x 4 x 2: 49.5 ms against 57.5 at three stages, 59.3 at 128 x 64 x 8 (H200);
+# - dense lse pass 64 x 128 x 4 x 3: the forward with it 70.3 ms against 72.6 at 128 x 128 x 8 x 3
+#   (H100, mean of six runs);
+# - top-k forward 64 x 128 x 4 x 2 (top-2048, lse given): 54.8 / 16.9 ms scattered / local against
+#   65.3 / 20.2 at 128 x 64 x 8 x 3 (H100); it spills 464 bytes a thread for sm_90a, and is faster.
 _LADDERS = {
     "lse": ((64, 128, 4, 3),) + _TILE_LADDER, "forward": ((64, 128, 4, 2),) + _TILE_LADDER,
     "forward_topk": ((64, 128, 4, 2),) + _TILE_LADDER, "backward": ((64, 64, 4), (32, 64, 4), (32, 32, 4)),
