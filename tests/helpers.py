@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
 import streamkl
@@ -132,3 +136,15 @@ def front_end_cases(device):
         (varlen, dict(cu_seqlens=cu, max_seqlen=33, max_seqlen_k=33, causal=True)),
         (varlen, dict(cu_seqlens=cu)),
     ]
+
+
+def compile_in_subprocess(code: str, timeout: int) -> str:
+    """stdout of `code` run by a fresh Python without TRITON_INTERPRET (the interpreter cannot
+    compile for sm_90a), importing the streamkl package the tests imported (not necessarily the
+    one beside them); fails the test on a nonzero exit."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(streamkl.__file__)))
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

@@ -8,14 +8,11 @@ On CPU they run under TRITON_INTERPRET=1 at small shapes; the `gpu` tests run re
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import compile_in_subprocess
 
-import streamkl
 from streamkl.backends.triton import indexer as triton_indexer
 from streamkl.indexer import IndexerProblem
 
@@ -407,18 +404,6 @@ def test_config_fits_shared_memory(budget, dtype):
                         assert cfg == wanted, (kernel, cfg)
 
 
-def _compile_in_subprocess(code: str, timeout: int) -> str:
-    """stdout of `code` run by a fresh Python without TRITON_INTERPRET (the interpreter cannot
-    compile for sm_90a), importing the streamkl package this test imported (not necessarily the one
-    beside the tests); fails the test on a nonzero exit."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(streamkl.__file__)))
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 def test_largest_kernels_fit_hopper(kernel):
@@ -429,7 +414,7 @@ def test_largest_kernels_fit_hopper(kernel):
             "from streamkl.backends.triton import indexer as ix\n"
             f"kernel = ix.compile_for_hopper({kernel!r}, torch.float32, 256, 128)\n"
             "print(kernel.metadata.shared, 'max.NaN.f32' in kernel.asm['ptx'])\n")
-    shared, keeps_nan = _compile_in_subprocess(code, timeout=600).split()[-2:]
+    shared, keeps_nan = compile_in_subprocess(code, timeout=600).split()[-2:]
     q, k, qi, ki, _ = inputs((1, 1), (1, 1), 1, 1, 256, 1, 128, torch.float32)
     problem = IndexerProblem(**{**make_problem(q, k, qi, ki, None, True).__dict__, "seqlen_q": 1 << 15,
                                 "seqlen_k": 1 << 15, "device": torch.device("cpu")})
@@ -449,7 +434,7 @@ def test_all_kernels_compile_for_hopper_topk_varlen():
             "for name in ('lse', 'forward', 'backward', 'finish'):\n"
             "    kernel = ix.compile_for_hopper(name, torch.bfloat16, 128, 128, topk=2048, varlen=True)\n"
             "    print(name, kernel.metadata.shared)\n")
-    shared = dict(line.split() for line in _compile_in_subprocess(code, timeout=900).split("\n") if line)
+    shared = dict(line.split() for line in compile_in_subprocess(code, timeout=900).split("\n") if line)
     assert set(shared) == {"lse", "forward", "backward", "finish"}
     assert all(int(value) <= BUDGETS["H100"] for value in shared.values()), shared
     q, k, qi, ki, _ = inputs((1, 1), (1, 1), 1, 1, 128, 1, 128, torch.bfloat16)

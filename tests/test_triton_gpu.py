@@ -7,13 +7,9 @@ compile tests (ahead of time, no GPU needed); tests/test_triton_split_k.py cover
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import check_against_reference, make_inputs, rel_l2
+from helpers import check_against_reference, compile_in_subprocess, make_inputs, rel_l2
 
 import streamkl
 from streamkl.reference import reference_kl
@@ -331,9 +327,4 @@ def test_gluon_kernels_compile_for_hopper(kernel):
             "bf16 = torch.bfloat16\n"
             f"kernel = {calls[kernel]}\n"
             "assert 'wgmma' in kernel.asm['ptx']\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the streamkl package this test imported, not necessarily the one beside the tests
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(streamkl.__file__))),
-                                         env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    compile_in_subprocess(code, timeout=600)
