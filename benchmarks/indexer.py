@@ -18,7 +18,9 @@ Providers (each guarded: an error or "OOM" is recorded in its cell, never aborts
 - `sdpa-cudnn`: F.scaled_dot_product_attention forward of the teacher (q, k, a random v), causal,
   cuDNN backend forced (the default SDPA choice on CPU): forward only.
 Modes: `forward` (with the indexer's inputs requiring grad, as in training) and `fwd+bwd`; the
-backward is derived as median(fwd+bwd) - median(forward). Timing: CUDA events, L2 flushed before
+backward is derived as median(fwd+bwd) - median(forward). A streamkl mean with grad forms its
+gradients in the forward (docs/indexer.md), so its forward holds nearly all the work and its
+backward is a scaling: fwd+bwd is the column to compare. Timing: CUDA events, L2 flushed before
 each call, one warm-up call, then as many as fit in --rep-ms (at least 3), median. Memory: the
 peak allocated during one fwd+bwd call minus what was allocated just before it (inputs excluded,
 their gradients included). After an OOM a provider skips its larger N.
@@ -213,8 +215,9 @@ def markdown(rows, env, args, commands) -> str:
         ", ".join(f"`{command}`" for command in commands) + f"; {env['date']}, "
         f"{env.get('gpu', env['device'])}, torch {env['torch']}, triton {env.get('triton', '-')}.",
         f"B=1, causal, teacher H={args.heads} (key heads too), indexer {args.index_heads} x {args.index_dim}, "
-        f"top-k {args.topk}, {args.dtype}. Backward = fwd+bwd - forward. Memory: peak extra MiB of one fwd+bwd "
-        "(forward for sdpa).",
+        f"top-k {args.topk}, {args.dtype}. Backward = fwd+bwd - forward; streamkl's forward (a mean, inputs "
+        "requiring grad) forms the gradients too and its backward only scales them: compare fwd+bwd. "
+        "Memory: peak extra MiB of one fwd+bwd (forward for sdpa).",
         "",
         "| provider | D | N | forward ms | backward ms | fwd+bwd ms | peak extra MiB | loss |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

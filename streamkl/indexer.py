@@ -558,6 +558,59 @@ def _backward(ctx, grad_rows, grad_head_lse, grad_index_lse):
 torch.library.register_autograd("streamkl::indexer_forward", _backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("streamkl::indexer_loss_and_gradients", mutates_args=())
+def indexer_loss_and_gradients_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qi: torch.Tensor,
+    ki: torch.Tensor,
+    w: torch.Tensor,
+    lse: torch.Tensor | None,
+    topk_indices: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    weights: torch.Tensor,
+    ints: list[int],
+    floats: list[float],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum_i weights_i loss_i, and its gradients dqi, dki, dw in the input dtype): a mean's or a
+    sum's loss with its gradients formed in the forward, for a call whose backward will come. A
+    backend's `forward_with_gradients` does it in fewer passes; otherwise its forward, then its
+    backward."""
+    problem = _unpack(q, k, qi, ki, w, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, ints, floats)
+    module = _op_backend(problem, backend)
+    fused = getattr(module, "forward_with_gradients", None)
+    if fused is not None:
+        loss_rows, _, _, dqi, dki, dw = fused(problem, q, k, qi, ki, w, lse, topk_indices, weights)
+    else:
+        loss_rows, head_lse, index_lse = module.forward(problem, q, k, qi, ki, w, lse, topk_indices)
+        grad_rows = torch.where(index_lse == NEG_INF, 0.0, weights)
+        dqi, dki, dw = module.backward(problem, q, k, qi, ki, w, topk_indices,
+                                       head_lse if lse is None else lse, index_lse, grad_rows)
+    return (loss_rows * weights).sum(), dqi, dki, dw
+
+
+@indexer_loss_and_gradients_op.register_fake
+def _(q, k, qi, ki, w, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, weights, ints, floats, backend):
+    return q.new_empty((), dtype=torch.float32), torch.empty_like(qi), torch.empty_like(ki), torch.empty_like(w)
+
+
+def _setup_gradients_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+
+
+def _gradients_backward(ctx, grad_loss, *unused):
+    dqi, dki, dw = ctx.saved_tensors
+    needs = ctx.needs_input_grad[2:5]
+    grads = [(g * grad_loss).to(g.dtype) if need else None for g, need in zip((dqi, dki, dw), needs)]
+    return (None, None, *grads) + (None,) * 8
+
+
+torch.library.register_autograd("streamkl::indexer_loss_and_gradients", _gradients_backward,
+                                setup_context=_setup_gradients_context)
+
+
 # ------------------------------------------------------------------------------ the public call
 def indexer_kl(
     q: torch.Tensor,
@@ -603,6 +656,18 @@ def indexer_kl(
     # under torch.compile the ops choose at run time (`_op_backend`): tracing cannot import modules
     name = _requested(backend) if torch.compiler.is_compiling() else choose_backend(problem, backend)
     ints = [int(problem.causal), problem.seqlen_q, problem.seqlen_k]
+    if reduction != "none" and torch.is_grad_enabled() and (qi.requires_grad or ki.requires_grad or w.requires_grad):
+        # the upstream gradient is one scalar: the gradients are formed with the loss, and the
+        # backward scales them
+        rows = qi.shape[:-2]
+        weights = torch.ones(rows, dtype=torch.float32, device=qi.device)
+        if reduction == "mean":
+            weights = weights / nonempty_row_count(problem, topk_indices)
+        loss, _, _, _ = torch.ops.streamkl.indexer_loss_and_gradients(
+            q.detach(), k.detach(), qi, ki, w, None if lse is None else lse.detach(), topk_indices,
+            problem.cu_seqlens_q, problem.cu_seqlens_k, weights, ints, [problem.scale], name,
+        )  # fmt: skip
+        return loss
     # the teacher is a constant: detached, so autograd neither tracks it nor asks for its gradient
     loss_rows, _, _ = torch.ops.streamkl.indexer_forward(
         q.detach(), k.detach(), qi, ki, w, None if lse is None else lse.detach(), topk_indices,

@@ -228,6 +228,27 @@ def test_empty_rows_and_reductions(backend):
     assert (grad_w == 0).all()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_reduced_loss_forms_its_gradients_with_the_loss(backend, reduction):
+    """With a mean or a sum the upstream gradient is one scalar, and the loss's gradients are formed
+    in the forward: the reduced loss, and its gradients times an upstream gradient of 0.75, equal
+    those of the per-row loss reduced on its own (causal top-k with rows that see no key)."""
+    inputs = make_inputs((2, 37), (2, 37))
+    topk = random_topk((2, 37), 6, 37)
+    reduced = streamkl.indexer_kl(*inputs, topk_indices=topk, reduction=reduction, backend=backend)
+    grads = torch.autograd.grad(reduced * 0.75, inputs[2:])
+    rows = streamkl.indexer_kl(*inputs, topk_indices=topk, reduction="none", backend=backend)
+    head_lse = reference.indexer_kl(*(t.detach() for t in inputs), topk_indices=topk, return_lse=True)[1]
+    count = torch.isfinite(head_lse[:, 0]).sum() if reduction == "mean" else 1  # rows with a key
+    assert 0 < int(count) < 74
+    expected = rows.sum() / count
+    torch.testing.assert_close(reduced, expected, rtol=1e-5, atol=1e-7)
+    expected_grads = torch.autograd.grad(expected * 0.75, inputs[2:])
+    for grad, ref in zip(grads, expected_grads):
+        assert grad.dtype == ref.dtype
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_teacher_gets_no_gradient(backend):
     q, k, qi, ki, w = make_inputs((1, 17), (1, 17))
     q.requires_grad_()
@@ -412,7 +433,7 @@ def test_missing_module_reason(monkeypatch):
 
 
 def test_compile_fullgraph():
-    """torch.compile sees two opaque custom ops: no graph break, the same loss and gradients."""
+    """torch.compile sees the loss as an opaque custom op: no graph break, the same loss and gradients."""
     inputs = make_inputs((1, 21), (1, 21))
     topk = random_topk((1, 21), 5, 21)
 

@@ -359,11 +359,12 @@ def _tiles(problem, cfg: dict) -> tuple[int, int]:
 
 
 def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ...] | None = None,
-            lse_tiles: tuple[int, ...] | None = None, window: int | None = None):
+            lse_tiles: tuple[int, ...] | None = None, window: int | None = None, teacher: bool = True):
     """(loss_rows, head_lse, index_lse) float32 (the backend interface: streamkl/indexer.py).
     `tiles` / `lse_tiles` (BLOCK_M, BLOCK_N, warps[, stages]) replace `config`'s choice for the
     forward / the teacher lse kernel (A/B timing in tools/time_indexer_triton.py); `window`
-    replaces `window_rows`'s (tests)."""
+    replaces `window_rows`'s (tests). `teacher=False`: the forward kernel computes only the
+    indexer's lse (loss_rows then hold nothing of use; `forward_with_gradients`)."""
     kernels = _kernels()
     w_heads = _heads_major(w)
     device = q.device
@@ -423,7 +424,7 @@ def forward(problem, q, k, qi, ki, w, lse, topk_indices, *, tiles: tuple[int, ..
             0 if varlen else head_lse.stride(0), head_lse.stride(-2),
             parts.stride(0), parts.stride(1), *bounds, span_fwd,
             *common, problem.index_heads, problem.scale * LOG2E, problem.topk, splits, split_tiles,
-        ), dict(BLOCK_E=block_e, **_constants(problem, cfg_fwd)))
+        ), dict(BLOCK_E=block_e, TEACHER=teacher, **_constants(problem, cfg_fwd)))
         for (lo, hi), base in (((lo0, hi0), 0), ((lo1, hi1), hi0 - lo0)):
             if hi > lo:
                 _merge_splits(parts[:, :, base : base + hi - lo], loss.view(-1)[lo:hi], index_lse.view(-1)[lo:hi])
@@ -494,10 +495,11 @@ def row_ranges(total: int, size: int) -> list[tuple[tuple[int, int], tuple[int, 
 
 
 def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows, *,
-             tiles: tuple[int, ...] | None = None):
+             tiles: tuple[int, ...] | None = None, sums: torch.Tensor | None = None):
     """(dqi, dki, dw) in the input dtype (the backend interface: streamkl/indexer.py). `tiles`
     (BLOCK_M, BLOCK_N, warps[, stages]) replaces `config`'s choice (A/B timing in
-    tools/time_indexer_triton.py)."""
+    tools/time_indexer_triton.py). `sums`: float32 [2, rows] (flat rows, zeroed by the caller), to
+    which the pass adds each row's sum T log T and sum T z (`forward_with_gradients`)."""
     backward_kernels = _backward_kernels()
     w = _last_contiguous(w)
     head_lse, index_lse = _last_contiguous(head_lse), index_lse.contiguous()
@@ -538,7 +540,7 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
                0 if varlen else head_lse.stride(0), head_lse.stride(-2),
                0 if varlen else problem.seqlen_q, g.stride(0), g.stride(1),
                0 if varlen else dki.stride(0), dki.stride(-2))
-    constants = dict(INDEX_DIM=di, BLOCK_E=block_e, **_constants(problem, cfg))
+    constants = dict(INDEX_DIM=di, BLOCK_E=block_e, LOSS=sums is not None, **_constants(problem, cfg))
     for pair in row_ranges(rows_total, size):
         (lo0, hi0), (lo1, hi1) = pair
         base0, base1 = block_m, block_m + (hi0 - lo0)
@@ -546,8 +548,8 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
             select(problem, topk_indices, sel[block_m:], pair, table, (block_m, block_n))
         _launch(backward_kernels._backward_kernel, (span_tiles * 2 * k_tiles * problem.batch,), (
             *descriptors, w_heads, head_lse, index_lse, grad_rows, g_descriptor, g, dki_descriptor, dki, sel, table,
-            cu_q, cu_k,
-            *strides, lo0, hi0, base0, lo1, hi1, base1,
+            cu_q, cu_k, sel if sums is None else sums,
+            *strides, 0 if sums is None else sums.stride(0), lo0, hi0, base0, lo1, hi1, base1,
             problem.seqlen_q, problem.seqlen_k, problem.heads, problem.heads // problem.heads_k,
             hi_, problem.scale * LOG2E, problem.topk, q_tiles, k_tiles, span_tiles,
         ), constants)
@@ -567,10 +569,29 @@ def backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_r
     return dqi, dki.to(ki.dtype).contiguous(), dw
 
 
+def forward_with_gradients(problem, q, k, qi, ki, w, lse, topk_indices, grad_rows):
+    """(loss_rows, head_lse, index_lse, dqi, dki, dw): the forward and the backward of `grad_rows`
+    (the upstream gradient per row, known before the forward: a scalar one spread over the rows by
+    a mean or a sum) in two passes over the pairs instead of three: the indexer's lse alone (one
+    product per pair), then the backward's pass, which also sums each row's T log T and T z, from
+    which the loss follows (KL = sum T log T - sum T z + lse(z) on rows with keys, else 0)."""
+    _, head_lse, index_lse = forward(problem, q, k, qi, ki, w, lse, topk_indices, teacher=False)
+    rows = problem.total_q if problem.is_varlen else problem.batch * problem.seqlen_q
+    sums = torch.zeros((2, rows), dtype=torch.float32, device=q.device)
+    dqi, dki, dw = backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows, sums=sums)
+    flat_lse = index_lse.reshape(-1)
+    loss = torch.where(flat_lse > float("-inf"), sums[0] - sums[1] + flat_lse, 0.0)
+    loss = torch.where(torch.isnan(flat_lse), float("nan"), loss).view(index_lse.shape)
+    if problem.is_varlen and problem.total_q > 0:  # rows of no sequence
+        loss.masked_fill_(torch.arange(problem.total_q, device=q.device) >= problem.cu_seqlens_q[-1], 0.0)
+    return loss, head_lse, index_lse, dqi, dki, dw
+
+
 def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: int = 128, index_dim: int = 128,
-                       causal: bool = True, topk: int = 0, varlen: bool = False):
+                       causal: bool = True, topk: int = 0, varlen: bool = False, with_gradients: bool = False):
     """One kernel ("lse", "forward", "backward", "finish") compiled for sm_90a without a GPU, at the tile
-    sizes `config` picks for a long sequence on an H100 / H200; returns the compiled kernel (.asm:
+    sizes `config` picks for a long sequence on an H100 / H200 (`with_gradients`: as
+    `forward_with_gradients` runs them); returns the compiled kernel (.asm:
     ptx, cubin; .metadata.shared: its shared memory in bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -597,7 +618,7 @@ def compile_for_hopper(kernel: str, dtype: torch.dtype = torch.bfloat16, dim: in
     constants = dict(BLOCK_D=_pow2(dim), INDEX_DIM=index_dim, BLOCK_E=_pow2(index_dim), BLOCK_H=64, CAUSAL=causal,
                      VARLEN=varlen, TOPK=topk > 0, IEEE=dtype == torch.float32, INTERPRET=False,
                      STEPS_K=max(topk, 1).bit_length(), CHUNK=_chunk(topk), PROGRAM_HEADS=TOPK_LSE_HEADS,
-                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TEACHER=not with_gradients, LOSS=with_gradients)
     signature = {}
     for name in fn.arg_names:
         if name in constants:

@@ -39,18 +39,20 @@ from streamkl.backends.triton.indexer_kernels import (
 @triton.jit
 def _backward_kernel(
     Q_DESC, K_DESC, QI_DESC, KI_DESC, W, HEAD_LSE, INDEX_LSE, GRAD, G_DESC, G, DKI_DESC, DKI, SEL, TILES, CU_Q, CU_K,
-    stride_wb, stride_wn, stride_wh, stride_lb, stride_lh, stride_rb, stride_gr, stride_gh,
-    stride_dkb, stride_dkn,
+    SUMS, stride_wb, stride_wn, stride_wh, stride_lb, stride_lh, stride_rb, stride_gr, stride_gh,
+    stride_dkb, stride_dkn, stride_sums,
     lo0, hi0, base0, lo1, hi1, base1,
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, q_tiles, k_tiles, span_tiles,
     BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr, LOSS: tl.constexpr,
 ):
     """One program per (key tile, sequence, row range, query tile of the range): the row range is
     flat rows [lo, hi) (batch entry b's row i is b * seqlen_q + i; packed rows as they are), its
     workspace rows start at `base`, and it touches at most `span_tiles` query tiles. dki (float32)
-    and G are added by reductions."""
+    and G are added by reductions. LOSS: the loss's per-row sums over the tile's keys, sum T log T
+    and sum T z, are added to SUMS[0] and SUMS[1] (flat rows) too (the loss formed with the
+    gradients, when the forward knows the upstream gradient)."""
     # a key tile's programs (both ranges, every query tile) are neighbours: its teacher keys are
     # read from memory once for all of them, and every key tile's program reads the same queries
     span = tl.program_id(0) % span_tiles
@@ -101,6 +103,12 @@ def _backward_kernel(
                              heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
         b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, stride_wh, index_heads, BLOCK_M,
                             BLOCK_N, BLOCK_E, IEEE, INTERPRET)
+        if LOSS:
+            p_sums = SUMS + flat0.to(tl.int64) + o_i
+            tl.atomic_add(p_sums, tl.sum(tl.where(b_t == 0.0, 0.0, b_t * tl.log(b_t)), axis=1), mask=m_i,
+                          sem="relaxed")
+            tl.atomic_add(p_sums + stride_sums, tl.sum(tl.where(m_ij, b_t * b_z, 0.0), axis=1), mask=m_i,
+                          sem="relaxed")
         b_lse = tl.load(INDEX_LSE + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0) * LOG2E
         b_g = tl.load(GRAD + seq64 * stride_rb + q_start + o_i, mask=m_i, other=0.0)
         b_p = tl.exp2(b_z * LOG2E - b_lse[:, None])

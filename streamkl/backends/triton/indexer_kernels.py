@@ -383,7 +383,7 @@ def _forward_kernel(
     seqlen_q, seqlen_k, heads, group, index_heads, qk_scale, topk, splits, split_tiles,
     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, TOPK: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr,
+    INTERPRET: tl.constexpr, STEPS_K: tl.constexpr, CHUNK: tl.constexpr, TEACHER: tl.constexpr = True,
 ):
     """Per row of the launch's row windows (one or two), over one split of the key tiles (split s:
     tiles [s * split_tiles, (s + 1) * split_tiles)): the running max m and sum l of exp2(z),
@@ -437,13 +437,15 @@ def _forward_kernel(
                         p_sel, cursor, sel_end, k_tile * BLOCK_N, BLOCK_N, CHUNK)
                     next_tile = tl.min(next_key, axis=0) // BLOCK_N
                     m_ij = m_ij & _selection_mask(word0, word1, word2, word3, o_j, k_tile * BLOCK_N)
-                b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
-                                     heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
+                if TEACHER:
+                    b_t = _teacher_probs(Q_DESC, K_DESC, HEAD_LSE, desc_b, q_row, k_row, o_i, m_i, m_ij, stride_lh,
+                                         heads, group, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, INTERPRET)
                 b_ki = KI_DESC.load([desc_b, k_row, 0, 0]).reshape([BLOCK_N, BLOCK_E])
                 b_z = _index_logits(QI_DESC, b_ki, W, desc_b, q_row, o_i, m_i, stride_wn, stride_wh, index_heads,
                                     BLOCK_M, BLOCK_N, BLOCK_E, IEEE, INTERPRET)
-                b_a += tl.sum(tl.where(b_t == 0.0, 0.0, b_t * tl.log(b_t)), axis=1)
-                b_b += tl.sum(tl.where(m_ij, b_t * b_z, 0.0), axis=1)
+                if TEACHER:
+                    b_a += tl.sum(tl.where(b_t == 0.0, 0.0, b_t * tl.log(b_t)), axis=1)
+                    b_b += tl.sum(tl.where(m_ij, b_t * b_z, 0.0), axis=1)
                 b_m, b_l = _online_lse(tl.where(m_ij, b_z * LOG2E, float("-inf")), b_m, b_l)
         p_part = PARTS + split * stride_ps + o_i + shift
         tl.store(p_part, b_m, mask=m_i)
