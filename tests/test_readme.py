@@ -1,5 +1,5 @@
-"""Every ```python block of README.md and docs/performance.md runs as written: on this machine's device, or,
-for a block whose first line says it needs a CUDA GPU, only where there is one."""
+"""Every ```python block of README.md, docs/performance.md and docs/indexer.md runs as written: on this
+machine's device, or, for a block whose first line says it needs a CUDA GPU, only where there is one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-DOCUMENTS = (README, ROOT / "docs" / "performance.md")
+DOCUMENTS = (README, ROOT / "docs" / "performance.md", ROOT / "docs" / "indexer.md")
 GPU_LINE = "# needs a CUDA GPU"
 
 
