@@ -581,9 +581,8 @@ def forward_with_gradients(problem, q, k, qi, ki, w, lse, topk_indices, grad_row
     dqi, dki, dw = backward(problem, q, k, qi, ki, w, topk_indices, head_lse, index_lse, grad_rows, sums=sums)
     flat_lse = index_lse.reshape(-1)
     loss = torch.where(flat_lse > float("-inf"), sums[0] - sums[1] + flat_lse, 0.0)
+    # rows of no sequence (varlen's tail) have index_lse -inf from the forward: loss 0
     loss = torch.where(torch.isnan(flat_lse), float("nan"), loss).view(index_lse.shape)
-    if problem.is_varlen and problem.total_q > 0:  # rows of no sequence
-        loss.masked_fill_(torch.arange(problem.total_q, device=q.device) >= problem.cu_seqlens_q[-1], 0.0)
     return loss, head_lse, index_lse, dqi, dki, dw
 
 
