@@ -598,12 +598,27 @@ def _(q, k, qi, ki, w, lse, topk_indices, cu_seqlens_q, cu_seqlens_k, weights, i
 
 def _setup_gradients_context(ctx, inputs, output):
     ctx.save_for_backward(*output[1:])
+    # the gradient outputs are the op's own (nothing upstream uses them): no zeros for their gradients
+    ctx.set_materialize_grads(False)
+    ctx.spent = False
 
 
 def _gradients_backward(ctx, grad_loss, *unused):
-    dqi, dki, dw = ctx.saved_tensors
+    """The saved gradients times the upstream scalar, scaled in place: no second copy of
+    the gradients. The graph is therefore good for one backward."""
     needs = ctx.needs_input_grad[2:5]
-    grads = [(g * grad_loss).to(g.dtype) if need else None for g, need in zip((dqi, dki, dw), needs)]
+    if grad_loss is None or not any(needs):
+        return (None,) * 13
+    if ctx.spent:
+        raise RuntimeError(
+            "streamkl.indexer_kl: this loss was already backpropagated. With reduction 'mean' or 'sum' its "
+            "gradients are formed in the forward and scaled in place by the backward, so its graph serves one "
+            "backward (retain_graph=True does not keep them). For several backwards through one graph, take "
+            "reduction='none' and reduce the rows yourself."
+        )
+    ctx.spent = True
+    dqi, dki, dw = ctx.saved_tensors
+    grads = [g.mul_(grad_loss) if need else None for g, need in zip((dqi, dki, dw), needs)]
     return (None, None, *grads) + (None,) * 8
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import compile_in_subprocess
 
+import streamkl
 from streamkl.backends.triton import indexer as triton_indexer
 from streamkl.indexer import IndexerProblem
 
@@ -539,6 +540,36 @@ def test_gpu_dense_memory_is_linear():
     loss, extra, gradient_bytes = _peak_beyond_inputs(q, k, qi, ki, w, None)
     assert extra <= gradient_bytes + 16 * N * H, (extra - gradient_bytes) / (N * H)
     assert math.isfinite(loss.sum().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stage", ["dense", "topk"])
+def test_gpu_mean_with_grad_memory_is_linear(stage):
+    """The user's call, `indexer_kl(...)` (a mean with grad: two passes, the gradients formed in the
+    forward) then `.backward()`, at N = 32K, H = 64: at most 16 bytes per (row, teacher head)
+    beyond the inputs and the gradients (dki counted as its float32 accumulator), plus the top-k
+    forward's smallest windows: the backward scales the gradients in place, and no zeros are made
+    for the op's gradient outputs."""
+    N, H, D, Hi, Di, K = 32768, 64, 128, 64, 128, 2048
+    q, k, qi, ki, w = inputs((1, N), (1, N), H, H, D, Hi, Di, torch.bfloat16)
+    qi, ki, w = (t.requires_grad_() for t in (qi, ki, w))
+    top, windows = None, 0
+    if stage == "topk":
+        rows = torch.arange(N, device=DEVICE)[:, None]
+        top = (torch.rand(N, K, device=DEVICE) * (rows + 1)).to(torch.int32).view(1, N, K)
+        windows = 2 * triton_indexer.MIN_WINDOW_ROWS * (4 * K + 16 * 16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = streamkl.indexer_kl(q, k, qi, ki, w, topk_indices=top, backend="triton")
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    gradient_bytes = sum(t.numel() * t.element_size() for t in (qi, ki, w)) + ki.numel() * 4
+    print(f"{stage}: extra besides gradients {(extra - gradient_bytes) / (N * H):.2f} B per (row, head)")
+    assert extra <= gradient_bytes + 16 * N * H + windows, (extra - gradient_bytes) / (N * H)
+    assert math.isfinite(loss.item())
 
 
 @pytest.mark.parametrize("case", ["dense-causal", "dense", "topk-banded", "varlen-topk"])
