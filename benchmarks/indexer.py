@@ -11,6 +11,9 @@ Providers (each guarded: an error or "OOM" is recorded in its cell, never aborts
   reduction mean, the teacher's lse computed by the loss (not passed in). `-topklocal`: the top-k
   stage on each row's k most recent keys instead of random ones (the tiles' best case: the
   selected keys cluster; the random selection is the worst, it touches nearly every tile).
+  `-denselse`: the dense stage with the teacher's per-head lse passed in, as a model whose
+  attention forward returned it would (computed once beforehand by `streamkl.kl(..., return_lse=True)`,
+  not timed).
 - `megatron-eager-dense|topk`, `megatron-compile-dense|topk`: the per-head score matrices and the
   indexer's [b, sq, sk] scores materialized in float32, softmaxes, heads summed and L1-normalized,
   KL summed over keys and averaged over rows; autograd for the backward; compiled with
@@ -112,6 +115,10 @@ def provider_fn(provider: str, inputs, selections, args):
     dim = q.shape[-1]
     if provider.startswith("streamkl-"):
         _, backend, stage = provider.split("-")
+        if stage == "denselse":  # the teacher's lse as the model's attention forward gives it
+            with torch.no_grad():
+                _, lse, _ = streamkl.kl(q, k, q, k, causal=True, reduction="none", return_lse=True, backend=backend)
+            return lambda: streamkl.indexer_kl(q, k, qi, ki, w, causal=True, lse=lse, backend=backend)
         chosen = None if stage == "dense" else selections[stage]
         return lambda: streamkl.indexer_kl(q, k, qi, ki, w, causal=True, topk_indices=chosen, backend=backend)
     if provider.startswith("megatron-"):
@@ -301,7 +308,7 @@ def main(argv=None) -> int:
         if args.backend == "triton":
             args.backend = "torch"
     dtype = getattr(torch, args.dtype)
-    providers = [f"streamkl-{args.backend}-dense", f"streamkl-{args.backend}-topk",
+    providers = [f"streamkl-{args.backend}-dense", f"streamkl-{args.backend}-denselse", f"streamkl-{args.backend}-topk",
                  f"streamkl-{args.backend}-topklocal", "megatron-eager-dense",
                  "megatron-eager-topk", "megatron-compile-dense", "megatron-compile-topk", "sdpa-cudnn"]
     if args.providers:
