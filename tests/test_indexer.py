@@ -525,8 +525,10 @@ def test_benchmark_smoke(tmp_path):
         assert abs(ours["loss"] - theirs["loss"]) <= 5e-3 * max(1.0, abs(theirs["loss"])), (ours, theirs)
     local = rows["streamkl-torch-topklocal"]  # each row's most recent keys: a different selection
     assert "note" not in local and math.isfinite(local["loss"]) and local["loss"] != rows["streamkl-torch-topk"]["loss"]
+    given = rows["streamkl-torch-denselse"]  # the teacher's lse passed in: the same loss
+    assert "note" not in given and abs(given["loss"] - rows["streamkl-torch-dense"]["loss"]) <= 1e-5 * given["loss"]
     assert "forward_ms" in rows["sdpa-cudnn"]
-    assert (tmp_path / "indexer.md").read_text().count("| streamkl-torch-") == 3
+    assert (tmp_path / "indexer.md").read_text().count("| streamkl-torch-") == 4
 
 
 @pytest.mark.skipif(bool(EXAMPLE_NEEDS), reason=f"the example needs {EXAMPLE_NEEDS}")
