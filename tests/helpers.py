@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import streamkl
@@ -148,3 +149,17 @@ def compile_in_subprocess(code: str, timeout: int) -> str:
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def indexer_backend_params() -> list:
+    """A pytest param per backend for `indexer_kl`, skipped with the backend's reasons where its
+    indexer cannot run here."""
+    from streamkl import indexer
+    from streamkl.dispatch import PRIORITY
+
+    params = []
+    for name in PRIORITY:
+        reasons = indexer.backend_reasons(name)
+        marks = [pytest.mark.skip(reason=f"indexer on {name}: {'; '.join(reasons)}")] if reasons else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOLERANCE, rel_l2
+from helpers import TOLERANCE, indexer_backend_params, rel_l2
 
 import streamkl
 from streamkl import indexer, reference
@@ -23,16 +23,7 @@ from streamkl.varlen import cu_seqlens_from_lengths
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _indexer_backend_params():
-    params = []
-    for name in PRIORITY:
-        reasons = indexer.backend_reasons(name)
-        marks = [pytest.mark.skip(reason=f"indexer on {name}: {'; '.join(reasons)}")] if reasons else []
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
-
-
-@pytest.fixture(params=_indexer_backend_params())
+@pytest.fixture(params=indexer_backend_params())
 def backend(request):
     return request.param
 
