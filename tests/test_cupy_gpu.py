@@ -362,13 +362,15 @@ def test_block_masks_varlen_half():
 def test_deterministic_gradients_are_bitwise_reproducible(dtype):
     """deterministic=True: no atomics (half inputs take the query-major dq kernel); the default
     mode's atomic dq may differ in the last bits between runs, and matches within rounding."""
-    case = Case(2, 130, 140, 4, (2, 1), (80, 24), causal=True, window=(50, -1))
+    # two query and two key tiles of 64, a window, GQA on side 1, unequal head dims (small: the
+    # emulator runs it in CI)
+    case = Case(1, 80, 90, 4, (2, 1), (80, 24), causal=True, window=(30, -1))
     inputs = case.inputs(dtype)
     grads = []
     for deterministic in (True, True, False):
         for t in inputs:
             t.grad = None
-        streamkl.kl(*inputs, deterministic=deterministic, backend="cupy", causal=True, window=(50, -1)).backward()
+        streamkl.kl(*inputs, deterministic=deterministic, backend="cupy", causal=True, window=(30, -1)).backward()
         grads.append([t.grad.clone() for t in inputs])
     for a, b, default in zip(*grads):
         assert torch.equal(a, b)

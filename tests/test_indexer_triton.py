@@ -152,7 +152,7 @@ def test_dense_layout(B, Nq, Nk, H, Hk, D, Hi, Di, causal, topk, dtype):
 def test_local_selection_skips_tiles():
     """A sliding-window selection leaves most (query tile, key tile) pairs unselected: the skipped
     tiles must be exactly the ones no row needs; near the diagonal whole tiles are selected."""
-    N, K = 200, 70
+    N, K = 140, 40  # (small: the interpreter runs it in CI)
     q, k, qi, ki, w = inputs((1, N), (1, N), 2, 1, 16, 2, 16, torch.float32)
     rows = torch.arange(N, device=DEVICE)[:, None]
     top = (rows - torch.arange(K, device=DEVICE)[None, :]).clamp(min=-1).to(torch.int32).view(1, N, K)
