@@ -559,3 +559,24 @@ def test_forward_shape_on_gpu(label, dtype):
                                  cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=True, scale2=0.0))
     chosen.append(_check_forward(None, unaligned, dtype, (1, 333), (1, 401), 2, (2, 2), causal=True))
     assert {variant.label for variant in chosen} == {label}
+
+
+@needs_backend
+def test_calls_from_several_threads_match_one_call():
+    """Calls on several Python threads at once give each its own result: on the GPU each launch is
+    on its stream; the emulator runs one launch at a time (its runtime is one, and a launch
+    releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [Case(1, 70, 90, 2, (2, 1), (32, 16), causal=True), Case(1, 50, 64, 2, (1, 2), (16, 32))]
+    inputs = [case.inputs(torch.float16, (False,) * 4) for case in cases]
+
+    def call(i):
+        case = cases[i % 2]
+        return streamkl.kl(*inputs[i % 2], reduction="none", backend="cupy", causal=case.causal, window=case.window)
+
+    alone = [call(0), call(1)]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(call, range(8)))
+    for i, out in enumerate(together):
+        assert torch.equal(out, alone[i % 2])

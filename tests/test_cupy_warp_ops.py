@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -140,6 +141,17 @@ extern "C" void probe_round(const float* in, unsigned short* out, int n) {
     }
 }
 
+// a kernel whose lane 0 leaves before the others' __syncthreads: the barrier can never complete
+static void stuck(const KLParams p) {
+    if (threadIdx.x == 0) return;
+    __syncthreads();
+}
+
+extern "C" void probe_stuck() {
+    KLParams p{};
+    emu_run(stuck, 1, 1, 1, 32, 64, &p);
+}
+
 extern "C" float probe_factor(float largest) {
     KLParams p{};
     p.grad_max = (sk_u64)(size_t)&largest;
@@ -204,3 +216,14 @@ def test_gradient_factor_is_a_power_of_two_bringing_the_largest_g_near_one(tmp_p
     for largest, factor in [(1.0, 1.0), (3.0, 0.5), (1e-6, 2.0**20), (2.0**-126, 2.0**126), (2.0**127, 1.0),
                             (0.0, 1.0), (1e-45, 1.0), (float("inf"), 1.0), (float("nan"), 1.0)]:
         assert library.probe_factor(largest) == factor, largest
+
+
+@needs_compiler
+def test_a_barrier_that_cannot_complete_stops_the_emulator_with_a_message(tmp_path):
+    """A block whose threads do not all reach a __syncthreads (undefined on a GPU) ends the
+    process with a message rather than hanging it."""
+    library = _probe_library(1, tmp_path)
+    code = f"import ctypes; ctypes.CDLL({str(library._name)!r}).probe_stuck()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "every thread waits at a barrier that cannot complete" in result.stderr

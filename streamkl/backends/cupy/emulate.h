@@ -1,6 +1,7 @@
 // Host emulation of the few CUDA constructs kernels.cu uses, so the same source runs on the CPU:
-// one std::thread per CUDA thread, blocks run one after another, __syncthreads is a barrier, and
-// the warp-level primitives of warp_ops.cuh meet at a per-warp barrier over a per-warp scratch.
+// one fiber per CUDA thread (emulate_runtime.h), blocks run one after another, __syncthreads is a
+// barrier, and the warp-level primitives of warp_ops.cuh meet at a per-warp barrier over a per-warp
+// scratch.
 // For tests without a GPU (STREAMKL_CUPY_EMULATE=1); never used on the GPU path.
 #pragma once
 #include <atomic>
@@ -19,8 +20,8 @@ typedef unsigned long long sk_u64;
 struct emu_dim3 {
     unsigned x, y, z;
 };
-extern thread_local emu_dim3 threadIdx;
-extern thread_local emu_dim3 blockIdx;
+extern emu_dim3 threadIdx;
+extern emu_dim3 blockIdx;
 extern emu_dim3 blockDim;
 extern emu_dim3 gridDim;
 

@@ -1,5 +1,5 @@
 """Run kernels.cu on the CPU: the same source compiled as C++ (emulate.h maps the few CUDA
-constructs it uses onto std::thread and std::barrier), one thread per CUDA thread.
+constructs it uses; emulate_runtime.h runs each CUDA thread as a fiber, barriers between them).
 
 Set STREAMKL_CUPY_EMULATE=1 to make the cupy backend serve CPU tensors this way (tests and CI
 without a GPU, like TRITON_INTERPRET=1 for Triton). Needs a C++20 compiler (g++ or $CXX). Slow:
@@ -23,7 +23,7 @@ import numpy as np
 ENV_VAR = "STREAMKL_CUPY_EMULATE"
 _HERE = Path(__file__).parent
 _SOURCES = ("kernels.cu", "input.cuh", "forward_mma.cuh", "backward_mma.cuh", "warp_ops.cuh", "emulate.h",
-            "emulate.cpp")
+            "emulate_runtime.h", "emulate.cpp")
 
 
 def emulating() -> bool:
@@ -96,7 +96,7 @@ def launch(
     variant: tuple[int, ...] | None = None,
     backward: tuple[int, ...] | None = None,
 ) -> None:
-    """Run one launch to completion on CPU threads; `params` is the one-element KLParams record,
+    """Run one launch to completion on the CPU; `params` is the one-element KLParams record,
     `variant` the template arguments of kernel 3 (the tensor-core forward), `backward` the head
     dims and stages of kernels 4-9 (the tensor-core backward)."""
     library = _library(code, variant, backward)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 _HERE = Path(__file__).parent
 SOURCE = _HERE / "indexer.cu"
-_EMULATOR_SOURCES = ("indexer.cu", "input.cuh", "indexer_emulate.cpp", "emulate.h")
+_EMULATOR_SOURCES = ("indexer.cu", "input.cuh", "indexer_emulate.cpp", "emulate.h", "emulate_runtime.h")
 KERNELS = ("indexer_forward", "indexer_backward_row", "indexer_backward_key")
 THREADS = 128  # IX_THREADS
 CHUNK = 64  # IX_CHUNK
