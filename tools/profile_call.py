@@ -4,6 +4,8 @@
     python tools/profile_call.py --n 1024 --sparsity 0.9 --grads all
     python tools/profile_call.py --n 1024 --cprofile        # the host path's Python functions instead
                                                             # (the forward, and the backward on its thread)
+    PYTHONPATH=<tree>:$PWD python tools/profile_call.py --n 1024 --cprofile --grads none --sort tottime
+                                                            # another tree's no-grad forward, by own time
 
 Prints the profiler's table of device kernels (name, calls, device time per call) for `--iters`
 calls after a warm-up, and the call's host time (wall time of the Python call on an idle GPU).
@@ -99,6 +101,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10, help="profiled calls")
     parser.add_argument("--cprofile", action="store_true", help="cProfile of the host path instead of kernels")
     parser.add_argument("--top", type=int, default=25, help="rows printed")
+    parser.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime", "ncalls"),
+                        help="order of the cProfile rows")
     args = parser.parse_args(argv)
     call, device = make_call(args)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -122,11 +126,11 @@ def main(argv=None) -> int:
             calling.disable()
             sync()
         print("== the calling thread (the forward; the backward too for CPU tensors)")
-        pstats.Stats(calling).sort_stats("cumulative").print_stats(args.top)
+        pstats.Stats(calling).sort_stats(args.sort).print_stats(args.top)
         if GRADS[args.grads] and device == "cuda":
             print("== inside the autograd node's backward, on autograd's device thread (which a profile of "
                   "the calling thread does not see)")
-            pstats.Stats(backward).sort_stats("cumulative").print_stats(args.top)
+            pstats.Stats(backward).sort_stats(args.sort).print_stats(args.top)
         return 0
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
