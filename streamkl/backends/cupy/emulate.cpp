@@ -16,39 +16,12 @@ template <int SIDE1, int SIDE2, int DQ_ATOMIC>
 static void dk_mma(const KLParams p) { kl_backward_dk_mma<SK_MMA_BACKWARD, SIDE1, SIDE2, DQ_ATOMIC>(p); }
 #endif
 
-// Runs `fn` over the grid, block after block, each block's threads as fibers (emulate_runtime.h).
-// Shared memory starts as NaN (in float32, float16 and bfloat16 alike) before every block, so a
-// read of anything a block did not write shows up in the results.
 typedef void (*kernel_fn)(const KLParams);
 
-static kernel_fn launch_fn;
-static KLParams launch_params;
-static unsigned* launch_memory;
-static size_t launch_words;
-
-static void thread_body(int t) {
-    for (unsigned z = 0; z < gridDim.z; ++z)
-        for (unsigned y = 0; y < gridDim.y; ++y)
-            for (unsigned x = 0; x < gridDim.x; ++x) {
-                if (t == 0)
-                    for (size_t k = 0; k < launch_words; ++k) launch_memory[k] = 0x7fc07fc0u;  // NaN in every width
-                __syncthreads();
-                blockIdx = {x, y, z};
-                launch_fn(launch_params);
-                emu_cp_async_wait(0);
-                __syncthreads();
-            }
-}
-
+// one launch on the CPU (emulate_runtime.h); test_cupy_warp_ops's probes call it too
 void emu_run(kernel_fn fn, int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
              const KLParams* params) {
-    std::lock_guard<std::mutex> lock(emu::launch_mutex);
-    launch_fn = fn;
-    launch_params = *params;
-    launch_memory = emu::setup_block(threads, smem_bytes, &launch_words);
-    gridDim = {(unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z};
-    emu::run(threads, thread_body);
-    std::free(launch_memory);
+    emu::launch(fn, grid_x, grid_y, grid_z, threads, smem_bytes, params);
 }
 
 // kernel: 0 forward, 1 dq, 2 dk, 3 the tensor-core forward of this library's SK_MMA_VARIANT,

@@ -107,17 +107,43 @@ static void run(int threads, void (*fiber_body)(int)) {
     fibers.clear();
 }
 
-// A launch's shared memory (freed by the caller; refilled before each block) and barriers, for
-// blocks of `threads` threads; *words: its size in 32-bit words.
-static unsigned* setup_block(int threads, long long smem_bytes, size_t* words) {
-    *words = (size_t)(smem_bytes + 3) / 4 + 4;
-    unsigned* memory = static_cast<unsigned*>(std::aligned_alloc(64, ((*words * 4 + 63) / 64) * 64));
+// One launch of `fn` over the grid, block after block, each block's `threads` threads as fibers.
+// Shared memory reads NaN before every block (0x7fc07fc0: NaN in float32, float16 and bfloat16
+// alike), so a read of anything the block did not write shows up in the results. Static: its
+// local state stays this library's (a non-static template's would be one per process, shared by
+// every emulator library loaded, while each has its own mutex).
+template <class Params>
+static void launch(void (*fn)(const Params), int grid_x, int grid_y, int grid_z, int threads, long long smem_bytes,
+            const Params* params) {
+    static void (*launch_fn)(const Params);
+    static Params launch_params;
+    static unsigned* memory;
+    static size_t words;
+    std::lock_guard<std::mutex> lock(launch_mutex);
+    launch_fn = fn;
+    launch_params = *params;
+    words = (size_t)(smem_bytes + 3) / 4 + 4;
+    memory = static_cast<unsigned*>(std::aligned_alloc(64, ((words * 4 + 63) / 64) * 64));
     shared_memory = reinterpret_cast<float*>(memory);
     block_barrier = Barrier{threads, 0, 0};
     warp_barriers.assign((threads + 31) / 32, Barrier{32, 0, 0});
     warp_scratch.assign((size_t)((threads + 31) / 32) * 32 * EMU_SCRATCH_SLOTS, 0);
     blockDim = {(unsigned)threads, 1, 1};
-    return memory;
+    gridDim = {(unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z};
+    run(threads, [](int t) {
+        for (unsigned z = 0; z < gridDim.z; ++z)
+            for (unsigned y = 0; y < gridDim.y; ++y)
+                for (unsigned x = 0; x < gridDim.x; ++x) {
+                    if (t == 0)
+                        for (size_t k = 0; k < words; ++k) memory[k] = 0x7fc07fc0u;
+                    wait(block_barrier);
+                    blockIdx = {x, y, z};
+                    launch_fn(launch_params);
+                    emu_cp_async_wait(0);  // (declared in emulate.h)
+                    wait(block_barrier);
+                }
+    });
+    std::free(memory);
 }
 
 }  // namespace emu
